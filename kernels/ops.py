@@ -1,0 +1,78 @@
+"""The one dispatch module the engine calls: Triton kernels on CUDA, references on CPU.
+
+Every op takes `impl`: "auto" picks Triton for CUDA tensors and the torch reference
+otherwise; "triton" forces the Triton kernel (on CPU only under TRITON_INTERPRET=1, which
+the tests use); "torch" forces the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import reference
+
+KernelImpl = Literal["auto", "torch", "triton"]
+
+
+def use_triton(impl: KernelImpl, tensor: torch.Tensor) -> bool:
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        return True
+    return tensor.is_cuda
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl: KernelImpl = "auto"):
+    if use_triton(impl, key):
+        from .reshape_and_cache import reshape_and_cache
+
+        return reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, impl: KernelImpl = "auto"):
+    if use_triton(impl, query):
+        from .paged_decode_attention import paged_decode_attention
+
+        return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return reference.paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def prefill_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    max_query_len: int,
+    impl: KernelImpl = "auto",
+):
+    if use_triton(impl, query):
+        from .prefill_attention import prefill_attention
+
+        return prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+        )
+    return reference.prefill_attention_ref(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    )
+
+
+def rms_norm(x, weight, eps: float, residual=None, impl: KernelImpl = "auto"):
+    if use_triton(impl, x):
+        from .rms_norm import rms_norm
+
+        return rms_norm(x, weight, eps, residual)
+    return reference.rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, impl: KernelImpl = "auto"):
+    if use_triton(impl, query):
+        from .rotary import rotary_embedding
+
+        return rotary_embedding(positions, query, key, cos_sin_cache)
+    return reference.rotary_embedding_ref(positions, query, key, cos_sin_cache)

@@ -1,0 +1,137 @@
+"""Torch reference implementations of every kernel (`<op>_ref`).
+
+They define what each Triton kernel must compute, and they are the engine's CPU path, so
+they favour clarity over speed but stay vectorised where a loop would dominate a step.
+
+Shapes (T tokens in the batch, R requests, H heads, D head dim, N blocks of B slots):
+    q, k, v          [T, H, D]
+    key/value cache  [N, B, H_kv, D]          slot s lives at cache[s // B, s % B]
+    block_tables     [R, max_blocks] int32    request r's token at position p is in
+                                              block block_tables[r, p // B], slot p % B
+    seq_lens         [R] int32                context length of r, including this step
+    query_start_loc  [R + 1] int32            r's queries are q[qsl[r]:qsl[r + 1]], the
+                                              last tokens of its context
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes each token's K/V into its slot; slot -1 marks padding and is skipped."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_context_ref(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[R, max_len, H_kv, D]: the first max_len slots of every request, through its table."""
+    block_size = cache.shape[1]
+    positions = torch.arange(max_len, device=cache.device)
+    blocks = block_tables[:, positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
+    return cache.flatten(0, 1)[slots]
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request ([R, H, D]) against its whole paged context."""
+    max_len = int(seq_lens.max())
+    keys = gather_context_ref(key_cache, block_tables, max_len).transpose(1, 2)
+    values = gather_context_ref(value_cache, block_tables, max_len).transpose(1, 2)
+    positions = torch.arange(max_len, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None].to(positions.device))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+def prefill_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for query chunks over their paged context (earlier chunks or
+    prefix-cache hits) plus themselves. Query i of a request with context length L and
+    Q queries sits at position L - Q + i and sees positions 0 .. L - Q + i."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        begin, end = starts[r], starts[r + 1]
+        num_queries = end - begin
+        if num_queries == 0:
+            continue
+        table = block_tables[r : r + 1]
+        keys = gather_context_ref(key_cache, table, seq_len).transpose(1, 2)
+        values = gather_context_ref(value_cache, table, seq_len).transpose(1, 2)
+        q = query[begin:end].transpose(0, 1)[None]
+        if num_queries == seq_len:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[begin:end] = o[0].transpose(0, 1)
+    return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm in float32, as Hugging Face Llama computes it. With `residual`, first
+    adds it (x + residual, in x's dtype) and returns (normed, the new residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = x.float() * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype), residual
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Neox-style RoPE applied in place to q [T, H, D] and k [T, H_kv, D].
+
+    cos_sin_cache [max_pos, D] holds cos in the first D/2 columns and sin in the rest,
+    in float32; the rotation is computed in float32 and stored back in q/k's dtype.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions.long()]
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    for x in (query, key):
+        x1 = x[..., :half].float()
+        x2 = x[..., half:].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x.copy_(rotated.to(x.dtype))

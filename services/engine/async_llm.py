@@ -1,0 +1,221 @@
+"""The asynchronous engine the services wrap: streams outputs to asyncio callers.
+
+One engine thread owns the `EngineCore` and runs its step loop; asyncio callers talk to it
+through a command queue (add, abort, run-a-function) and receive outputs on per-request
+asyncio queues. A step never blocks the caller's event loop, and one loop serves every
+request, exactly as `LLM.generate` does offline.
+
+    caller (event loop)                       engine thread
+    generate() -> prepare() ---- add ---->    submit(); step(); step(); ...
+      <------------- outputs via call_soon_threadsafe ----
+    (cancelled) ---------------- abort --->   abort_request() frees the blocks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from .config import EngineConfig
+from .engine_core import EngineCore, EngineStats
+from .errors import EngineDeadError, InvalidRequestError
+from .kv_events import KVEventPublisher
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RequestStream:
+    """A request's outputs, in order. Closing it (or cancelling a read) before the request
+    finishes aborts the request, which frees its KV blocks."""
+
+    def __init__(self, request_id: str, engine: AsyncLLM) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hands an item over from the engine thread; False if the reader's loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop was closed
+            return False
+        return True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._engine._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._engine._forget(self.request_id)
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._forget(self.request_id)
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(
+        self, config: EngineConfig, kv_event_publisher: KVEventPublisher | None = None, engine: EngineCore | None = None
+    ) -> None:
+        self.engine = engine or EngineCore(config, kv_event_publisher)
+        self.config = self.engine.config
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> AsyncLLM:
+        return cls(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    # -- the API ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validates now (raising InvalidRequestError) and returns the request's output stream."""
+        self._check_alive()
+        prepared = self.engine.prepare(request_id, prompt, params, cache_salt)
+        stream = RequestStream(request_id, self)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._send(lambda: self._submit(prepared))
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams outputs; a caller that stops iterating (cancel, disconnect) aborts the request."""
+        stream = self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        self._send(lambda: self.engine.abort_request(request_id))
+
+    async def run_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
+        """Runs fn(engine_core) on the engine thread between steps and returns its result."""
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._send(call)
+        return await asyncio.wrap_future(future)
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken after the latest step (thread-safe)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _forget(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    def _submit(self, prepared) -> None:
+        try:
+            self.engine.submit(prepared)
+        except InvalidRequestError as e:
+            self._deliver_error(prepared.request_id, e)
+
+    def _send(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}") from self._dead
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(error)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                while self._commands:
+                    self._commands.popleft()()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                with self._streams_lock:
+                    for output in outputs:
+                        stream = self._streams.get(output.request_id)
+                        if stream is not None and not stream.put(output):
+                            # Its reader's event loop is gone: nobody will read this request.
+                            del self._streams[output.request_id]
+                            self.engine.abort_request(output.request_id)
+        except BaseException as e:
+            logger.exception("engine loop failed")
+            self._dead = e
+            dead = EngineDeadError(f"the engine stopped after an error: {e!r}")
+            with self._streams_lock:
+                for stream in self._streams.values():
+                    stream.put(dead)

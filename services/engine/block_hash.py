@@ -1,0 +1,68 @@
+"""The one block-hash function. The engine's prefix cache and the router both use it.
+
+A block's hash chains over its parent, so equal hashes mean equal whole prefixes:
+
+    h0 = H(ROOT, tokens[0:B], extra_keys)       extra keys (e.g. a cache salt) enter once,
+    h1 = H(h0,   tokens[B:2B])                   in the first block, and chain onwards
+    h2 = H(h1,   tokens[2B:3B])                  only full blocks are hashed
+
+H is SHA-256 over a fixed byte encoding (parent digest, little-endian uint32 token ids,
+length-prefixed extra keys), truncated to 16 bytes. It is stable across processes, hosts
+and Python versions (unlike `hash()`), and the seed below is part of the contract: change
+it and every index built with the old one is void.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BLOCK_HASH_SEED = b"baton/block-hash/v1"
+BLOCK_HASH_BYTES = 16
+
+BlockHash = bytes
+ExtraKeys = tuple[str | int | bytes, ...]
+
+ROOT_PARENT_HASH: BlockHash = hashlib.sha256(BLOCK_HASH_SEED).digest()[:BLOCK_HASH_BYTES]
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    h = hashlib.sha256(ROOT_PARENT_HASH if parent_hash is None else parent_hash)
+    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    for key in extra_keys:
+        h.update(_encode_key(key))
+    return h.digest()[:BLOCK_HASH_BYTES]
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: ExtraKeys = (),
+    start: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`; `start` holds hashes already computed."""
+    hashes = list(start)
+    parent = hashes[-1] if hashes else None
+    for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[begin : begin + block_size], extra_keys if begin == 0 else ())
+        hashes.append(parent)
+    return hashes
+
+
+def request_extra_keys(cache_salt: str | None) -> ExtraKeys:
+    """Extra keys of a request's first block: a cache salt isolates tenants' caches."""
+    return ("salt", cache_salt) if cache_salt else ()
+
+
+def _encode_key(key: str | int | bytes) -> bytes:
+    if isinstance(key, bytes):
+        tag, data = b"b", key
+    elif isinstance(key, str):
+        tag, data = b"s", key.encode()
+    elif isinstance(key, int):
+        tag, data = b"i", key.to_bytes(16, "little", signed=True)
+    else:
+        raise TypeError(f"block hash extra keys must be str, int or bytes, got {type(key)}")
+    return tag + struct.pack("<I", len(data)) + data

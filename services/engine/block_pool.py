@@ -1,0 +1,227 @@
+"""A fixed pool of KV-cache blocks with reference counts and an LRU prefix cache.
+
+Every block is either used (ref_cnt > 0) or on the free queue (ref_cnt == 0). A free block
+may still hold a cached prefix (its hash stays registered): a later request that hits it
+revives it in O(1) by unlinking it from the queue. New blocks come from the queue's head,
+so the least recently freed cached block is evicted first:
+
+    head (evict first) <-> b7 <-> b3 <-> b9 <-> tail (freed last)
+
+Requests free their blocks tail-first, so the end of a sequence is evicted before its
+start (a shorter prefix stays useful longer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .block_hash import BlockHash
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set while the block is registered in the prefix cache; kept after it is freed.
+    block_hash: BlockHash | None = None
+    # What the hash stands for, checked on every hit so a collision can never be served.
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    # Free-queue links (only meaningful while ref_cnt == 0).
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) pop from the head, append, and unlink."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise RuntimeError("no free KV-cache blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, block
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self._pending_events: list[KVEvent] = []
+        self._next_seq = 0
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
+    ) -> KVCacheBlock | None:
+        """The cached block for this hash, if its parent and tokens match exactly."""
+        block = self.cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """Snapshot of the prefix cache (what a router should index for this worker)."""
+        return set(self.cached)
+
+    # -- actions ----------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Takes blocks from the free queue's head, evicting their cached prefix if any."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} are free")
+        blocks = []
+        evicted: list[BlockHash] = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                self._uncache(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        if evicted:
+            self._emit(BlockRemoved, tuple(evicted))
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes a reference on blocks shared with another user (a prefix hit or a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference per block; blocks that reach zero join the queue's tail."""
+        for block in blocks_in_eviction_order:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        first: int,
+        end: int,
+        block_size: int,
+    ) -> None:
+        """Registers blocks[first:end] (all full) under their hashes and emits `stored`.
+
+        A block whose hash is already cached (two requests computed the same prefix in one
+        step) stays unregistered and is simply freed later; the first copy serves hits.
+        """
+        if not self.enable_caching or first >= end:
+            return
+        stored: list[BlockHash] = []
+        run_parent: BlockHash | None = block_hashes[first - 1] if first > 0 else None
+        for i in range(first, end):
+            block, block_hash = blocks[i], block_hashes[i]
+            parent = block_hashes[i - 1] if i > 0 else None
+            if block.block_hash is not None or block_hash in self.cached:
+                # Already registered (shared by a fork) or a duplicate: ends the run.
+                self._emit_stored(stored, run_parent, block_size)
+                stored, run_parent = [], block_hash
+                continue
+            block.block_hash = block_hash
+            block.parent_hash = parent
+            block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            self.cached[block_hash] = block
+            stored.append(block_hash)
+        self._emit_stored(stored, run_parent, block_size)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (blocks in use stay in use, just uncached)."""
+        for block in list(self.cached.values()):
+            self._uncache(block)
+        self._emit(AllBlocksCleared)
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._pending_events = self._pending_events, []
+        return events
+
+    # -- integrity --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """free + used == total; no block both free and referenced; the cache map is sound."""
+        queued = list(self.free_queue)
+        queued_ids = {b.block_id for b in queued}
+        assert len(queued_ids) == len(queued), "a block is on the free queue twice"
+        assert len(queued) == self.num_free_blocks, "free count drifted"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, block
+            assert (block.ref_cnt == 0) == (block.block_id in queued_ids), (
+                f"{block} is {'free' if block.block_id in queued_ids else 'unqueued'} with ref_cnt {block.ref_cnt}"
+            )
+        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block} is registered under another hash"
+        num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert num_hashed == len(self.cached), "a hashed block is missing from the cache map"
+
+    # -- internals --------------------------------------------------------------------
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        block.parent_hash = None
+        block.token_ids = ()
+
+    def _emit_stored(self, hashes: list[BlockHash], parent: BlockHash | None, block_size: int) -> None:
+        if hashes:
+            self._emit(BlockStored, tuple(hashes), parent, len(hashes) * block_size)
+
+    def _emit(self, kind, *fields) -> None:
+        self._pending_events.append(kind(self._next_seq, *fields))
+        self._next_seq += 1

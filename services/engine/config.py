@@ -1,0 +1,116 @@
+"""The engine's typed configuration: one frozen pydantic model per component.
+
+`EngineConfig` groups them; each component receives only its own section (the scheduler
+gets `SchedulerConfig`, the KV-cache manager `CacheConfig`, ...). The same models are
+sections of the service YAML (`configs/*.yaml`), so a field documented here is documented
+there. Checks that need the model's own config (heads, context length) run when the engine
+starts, in `resolve_engine_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(BaseModel):
+    model_config = _FROZEN
+
+    model: str = Field(description="Path to a Hugging Face model folder (config.json, safetensors, tokenizer)")
+    tokenizer: str | None = Field(None, description="Tokenizer folder, if not the model folder")
+    served_model_name: str | None = Field(None, description="Name clients use; defaults to the folder name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; auto takes config.json's torch_dtype (float32 on CPU)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context limit (prompt + output); defaults to the model's own"
+    )
+    seed: int = Field(0, description="Seed for weights-independent randomness (unseeded requests)")
+    max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for")
+
+
+class CacheConfig(BaseModel):
+    model_config = _FROZEN
+
+    block_size: int = Field(16, description="Tokens per KV-cache block (a power of two, 1..256)")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Number of KV-cache blocks; overrides the memory budget below"
+    )
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="Memory for the KV cache; default 512 MiB on CPU")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="On CUDA without an explicit budget: fraction of device memory to use"
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks across requests")
+
+    @model_validator(mode="after")
+    def _block_size_is_power_of_two(self) -> CacheConfig:
+        if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        return self
+
+
+class SchedulerConfig(BaseModel):
+    model_config = _FROZEN
+
+    max_num_seqs: int = Field(128, ge=1, description="Most requests running in one step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps, interleaved with decodes")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap)"
+    )
+
+
+class ParallelConfig(BaseModel):
+    model_config = _FROZEN
+
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks holding the model's shards")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray placement-group strategy for the TP workers"
+    )
+    worker_timeout_s: float = Field(
+        120.0, gt=0, description="A step that takes longer than this marks the worker group dead"
+    )
+
+
+class RunnerConfig(BaseModel):
+    model_config = _FROZEN
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
+    kernel_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Attention/norm/RoPE kernels. auto: Triton on CUDA, torch reference on CPU"
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+
+
+class EngineConfig(BaseModel):
+    model_config = _FROZEN
+
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    runner: RunnerConfig = RunnerConfig()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Builds the config from flat keyword arguments, as `LLM(model=..., block_size=...)`."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            section = _FIELD_TO_SECTION.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            sections[section][key] = value
+        return cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "runner": RunnerConfig,
+}
+_FIELD_TO_SECTION = {field: section for section, model in _SECTIONS.items() for field in model.model_fields}

@@ -1,0 +1,416 @@
+"""The engine loop's body: add requests, run steps, abort. One owner thread at a time.
+
+A step reads: schedule -> run the model -> update requests -> publish KV events:
+
+    scheduler_output = scheduler.schedule()
+    runner_output    = executor.execute_model(scheduler_output)
+    self._update(scheduler_output, runner_output)
+
+A user request maps to engine requests: one for n == 1; for n > 1, a prefill-only request
+for all but the last prompt token, forked into n samples that share its blocks; for beam
+search, one request per live beam (see beam_search.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from ..model.config import ModelArch, load_model_arch
+from .beam_search import Beam, BeamSearchGroup, beam_member_params
+from .block_hash import request_extra_keys
+from .config import EngineConfig
+from .errors import InvalidRequestError
+from .executor import Executor, UniProcExecutor
+from .kv_events import KVEventPublisher, NullKVEventPublisher
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Member:
+    """What an engine request is to its user request."""
+
+    user_id: str
+    index: int  # sample index (n > 1); unused for prefix and beam members
+    kind: str  # "sample" | "prefix" (n > 1 shared prompt) | "beam"
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A tokenized, validated request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context limit
+    seed: int | None
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_prefill_tokens: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, kv_event_publisher: KVEventPublisher | None = None, executor: Executor | None = None
+    ) -> None:
+        self.config = config
+        self.arch: ModelArch = load_model_arch(config.model.model)
+        check_engine_config(config, self.arch)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self.executor = executor or create_executor(config, self.arch)
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.max_model_len = resolve_max_model_len(config, self.arch, self.num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len)
+        self.publisher = kv_event_publisher or NullKVEventPublisher()
+        self.outputs = OutputProcessor(self.tokenizer)
+        eos = self.arch.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.eos_token_ids = frozenset(eos)
+        self._members: dict[str, _Member] = {}
+        self._user_requests: dict[str, list[str]] = {}  # user id -> its live engine request ids
+        self._beam_groups: dict[str, BeamSearchGroup] = {}
+        self._rng = random.Random(config.model.seed)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request; raises InvalidRequestError before any work."""
+        self.submit(self.prepare(request_id, prompt, params, cache_salt, arrival_time))
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> PreparedRequest:
+        """Tokenizes and validates, touching no engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        return PreparedRequest(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids)),
+            seed=params.seed,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+
+    def submit(self, prepared: PreparedRequest) -> None:
+        """Queues a prepared request (on the thread that runs `step`)."""
+        request_id, params, prompt_ids = prepared.request_id, prepared.params, prepared.prompt_token_ids
+        if request_id in self._user_requests or request_id in self.outputs.states:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        seed = prepared.seed if prepared.seed is not None else self._rng.getrandbits(63)
+        extra_keys = request_extra_keys(prepared.cache_salt)
+
+        def make(
+            engine_id: str,
+            token_ids: list[int],
+            sample_params: SamplingParams,
+            sample_seed: int,
+            needs_sampling: bool = True,
+        ) -> Request:
+            return Request(
+                engine_id,
+                token_ids,
+                sample_params,
+                self.eos_token_ids,
+                prepared.max_tokens,
+                sample_seed,
+                extra_keys,
+                prepared.arrival_time,
+                needs_sampling,
+            )
+
+        num_samples = params.beam_width if params.use_beam_search else params.n
+        self.outputs.add_request(request_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples)
+        self._user_requests[request_id] = []
+        if params.use_beam_search:
+            first = make(f"{request_id}/beam0", prompt_ids, beam_member_params(params), seed)
+            self._beam_groups[request_id] = BeamSearchGroup(request_id, params, self.eos_token_ids, [Beam(first, 0.0)])
+            self._submit(first, _Member(request_id, 0, "beam"))
+        elif params.n == 1:
+            self._submit(make(request_id, prompt_ids, params, seed), _Member(request_id, 0, "sample"))
+        elif len(prompt_ids) == 1:
+            for i in range(params.n):
+                child = make(f"{request_id}/{i}", prompt_ids, params, _child_seed(seed, i))
+                self._submit(child, _Member(request_id, i, "sample"))
+        else:
+            # Fill the blocks of all but the last prompt token once; the n samples fork from it.
+            prefix = make(f"{request_id}/prefix", prompt_ids[:-1], params, seed, needs_sampling=False)
+            self._submit(prefix, _Member(request_id, 0, "prefix"))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request wherever it is and frees its blocks; its output says "abort"."""
+        engine_ids = self._user_requests.pop(request_id, None)
+        if engine_ids is None:
+            return
+        for engine_id in engine_ids:
+            self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED)
+            self._members.pop(engine_id, None)
+        self._beam_groups.pop(request_id, None)
+        self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._user_requests) or bool(self.outputs.states)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.block_copies:
+            runner_output = self.executor.execute_model(scheduler_output)
+            self._update(scheduler_output, runner_output)
+        self._fork_completed_prefixes()
+        events = self.scheduler.take_kv_events()
+        if events:
+            self.publisher.publish(events)
+        return self.outputs.take_outputs()
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_waiting_prefill_tokens=self.scheduler.num_waiting_prefill_tokens,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.kv.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        self.publisher.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be integers in [0, {self.arch.vocab_size})")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens but the context limit is "
+                f"{self.max_model_len} (prompt + at least one generated token)",
+            )
+        params.validate_for_model(self.arch.vocab_size, self.config.model.max_logprobs)
+        if (
+            not self.config.scheduler.enable_chunked_prefill
+            and len(prompt_ids) > self.config.scheduler.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens, more than max_num_batched_tokens "
+                f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off",
+            )
+
+    def _submit(self, request: Request, member: _Member) -> None:
+        self.scheduler.add_request(request)
+        self._adopt(request, member)
+
+    def _adopt(self, request: Request, member: _Member) -> None:
+        self._members[request.request_id] = member
+        self._user_requests[member.user_id].append(request.request_id)
+
+    def _release(self, request_id: str) -> None:
+        member = self._members.pop(request_id, None)
+        if member is not None:
+            self._user_requests[member.user_id].remove(request_id)
+            if not self._user_requests[member.user_id]:
+                del self._user_requests[member.user_id]
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        now = time.monotonic()
+        for request_id, sampled in runner_output.sampled.items():
+            request = self.scheduler.requests.get(request_id)
+            member = self._members.get(request_id)
+            if request is None or member is None:
+                continue  # aborted while the step ran
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if member.kind == "beam":
+                group = self._beam_groups[member.user_id]
+                if group.report(request_id, sampled):
+                    self._advance_beams(group)
+                continue
+            finished = self.scheduler.append_token(request, sampled.token_id)
+            stop_string = self.outputs.on_token(member.user_id, member.index, sampled.token_id, sampled, request)
+            if stop_string is not None:
+                if finished:  # a length limit and a stop string on the same token: the string wins
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+                else:
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+                finished = True
+            if finished:
+                self.outputs.on_finished(member.user_id, member.index, request)
+                self._release(request_id)
+
+    def _fork_completed_prefixes(self) -> None:
+        """n > 1: once the shared prompt prefix is computed, fork the n samples from it."""
+        for request_id, member in list(self._members.items()):
+            if member.kind != "prefix":
+                continue
+            prefix = self.scheduler.requests[request_id]
+            if prefix.status != RequestStatus.RUNNING or prefix.num_computed_tokens < prefix.num_tokens:
+                continue
+            state = self.outputs.states[member.user_id]
+            params, prompt_ids = state.params, state.prompt_token_ids
+            for i in range(params.n):
+                child = Request(
+                    f"{member.user_id}/{i}",
+                    prompt_ids,
+                    params,
+                    self.eos_token_ids,
+                    prefix.max_tokens,
+                    _child_seed(prefix.seed, i),
+                    prefix.extra_keys,
+                    prefix.arrival_time,
+                )
+                self.scheduler.add_forked_request(prefix, child)
+                self._adopt(child, _Member(member.user_id, i, "sample"))
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            self._release(request_id)
+
+    def _advance_beams(self, group: BeamSearchGroup) -> None:
+        user_id = group.request_id
+
+        def fork(parent: Request, new_id: str) -> Request:
+            child = Request(
+                new_id,
+                parent.prompt_token_ids,
+                parent.sampling_params,
+                parent.eos_token_ids,
+                parent.max_tokens,
+                parent.seed,
+                parent.extra_keys,
+                parent.arrival_time,
+                output_token_ids=list(parent.output_token_ids),
+            )
+            self.scheduler.add_forked_request(parent, child)
+            self._adopt(child, _Member(user_id, 0, "beam"))
+            return child
+
+        def append(request: Request, token_id: int) -> None:
+            self.scheduler.append_token(request, token_id, check_stop=False)
+
+        def drop(request: Request) -> None:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self._release(request.request_id)
+
+        group.advance(fork, append, drop)
+        if group.is_done:
+            del self._beam_groups[user_id]
+            best = group.best()
+            for index in range(group.width):
+                if index >= len(best):  # fewer hypotheses than beams (several EOS ids)
+                    self.outputs.set_final(user_id, index, [], 0.0, "stop")
+                    continue
+                hypothesis = best[index]
+                ended_by_eos = bool(hypothesis.token_ids) and hypothesis.token_ids[-1] in self.eos_token_ids
+                self.outputs.set_final(
+                    user_id,
+                    index,
+                    hypothesis.token_ids,
+                    hypothesis.cumulative_logprob,
+                    "stop" if ended_by_eos and not group.params.ignore_eos else "length",
+                )
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Sample i of a seeded n > 1 request uses seed + i (as vLLM does)."""
+    return (seed + index) % 2**63
+
+
+def create_executor(config: EngineConfig, arch: ModelArch) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return UniProcExecutor(config, arch)
+    from .tp_executor import RayTPExecutor  # imports Ray only when TP > 1
+
+    return RayTPExecutor(config, arch)
+
+
+def check_engine_config(config: EngineConfig, arch: ModelArch) -> None:
+    """Cross-field checks that need the model's own config."""
+    tp = config.parallel.tensor_parallel_size
+    if arch.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {arch.num_heads} attention heads")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {tp} and the model's {arch.num_kv_heads} KV heads: one must divide the other"
+        )
+    if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {config.model.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({arch.max_position_embeddings})"
+        )
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArch, num_kv_blocks: int) -> int:
+    """The context limit: asked for, else the model's own (capped by a sliding window and by
+    what the KV cache can hold, with a warning)."""
+    capacity = num_kv_blocks * config.cache.block_size
+    if config.model.max_model_len is not None:
+        if config.model.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {config.model.max_model_len} needs {config.model.max_model_len} KV slots "
+                f"but the cache holds {capacity} ({num_kv_blocks} blocks of {config.cache.block_size}); "
+                "raise the KV budget or lower max_model_len"
+            )
+        return config.model.max_model_len
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)
+    if limit > capacity:
+        logger.warning("context limit lowered from %d to %d tokens: that is all the KV cache holds", limit, capacity)
+        limit = capacity
+    return limit

@@ -1,0 +1,22 @@
+"""Errors the engine raises to its callers.
+
+`InvalidRequestError` names the offending field so that the gRPC and HTTP layers can map
+it to INVALID_ARGUMENT / HTTP 400 with a message a user can act on.
+"""
+
+
+class InvalidRequestError(ValueError):
+    """A request or sampling parameter is invalid; raised before any work is scheduled."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an unrecoverable error; every pending request fails."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model folder is missing a file, has a corrupt one, or names an unsupported model."""

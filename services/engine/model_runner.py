@@ -1,0 +1,203 @@
+"""Runs one scheduled batch through the model on one rank and samples its tokens.
+
+The runner keeps every request's tokens, block table and sampling generator between
+steps (`CachedRequestState`) and applies the scheduler's diffs. Each step it flattens the
+batch into one varlen forward pass, decodes first:
+
+    input_ids:   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 ]      positions: each token's index in its sequence
+    slot_mapping: block_table[r][pos // B] * B + pos % B
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from baton.kernels.ops import KernelImpl
+
+from ..model.attention import AttentionMetadata, PagedAttentionBackend
+from ..model.config import ModelArch
+from ..model.loader import load_weights
+from ..model.parallel import TPGroup
+from ..model.registry import create_model
+from .sampler import Sampler, SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator
+    block_ids: list[int]
+    num_computed_tokens: int
+    needs_sampling: bool
+
+
+@dataclass(slots=True)
+class _BatchInputs:
+    request_ids: list[str]  # batch order
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # last token of each request that samples
+    sample_request_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        kernel_impl: KernelImpl,
+        tp: TPGroup,
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.tp = tp
+        backend = PagedAttentionBackend(kernel_impl)
+        self.model = create_model(arch, backend, tp, dtype, device, kernel_impl)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.sampler = Sampler(arch.eos_token_ids)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads  # this rank's
+
+    # -- KV cache ---------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes across all layers (K and V) on this rank."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.arch.head_dim
+        return per_layer * self.arch.num_layers * torch.empty((), dtype=self.dtype).element_size()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)]
+
+    # -- one step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.block_copies:
+            self._copy_blocks(scheduler_output.block_copies)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput({})
+        batch = self._prepare_inputs(scheduler_output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if not batch.sample_request_ids:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.tp.rank != 0:
+            return ModelRunnerOutput({})  # rank 0 samples for the group
+        rows = [self._sampling_row(self.requests[rid]) for rid in batch.sample_request_ids]
+        sampled = self.sampler(logits, rows)
+        return ModelRunnerOutput(dict(zip(batch.sample_request_ids, sampled)))
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for request_id in so.finished_req_ids:
+            self.requests.pop(request_id, None)
+        for request_id in so.preempted_req_ids:
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.block_ids = []
+        for new in so.scheduled_new_reqs:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.seed)
+            self.requests[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                needs_sampling=new.needs_sampling,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.token_ids.extend(cached.new_token_ids)
+            if cached.block_ids is not None:
+                state.block_ids = list(cached.block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for kv_cache in self.kv_caches:
+            kv_cache[:, dst] = kv_cache[:, src]
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
+        counts = so.num_scheduled_tokens
+        # Decodes (one token) first, then prefill chunks; stable within each group.
+        order = [rid for rid, n in counts.items() if n == 1] + [rid for rid, n in counts.items() if n > 1]
+        num_decodes = sum(1 for n in counts.values() if n == 1)
+        states = [self.requests[rid] for rid in order]
+        num_tokens = np.array([counts[rid] for rid in order], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = starts + num_tokens
+
+        input_ids: list[int] = []
+        for state, start, n in zip(states, starts.tolist(), num_tokens.tolist()):
+            input_ids.extend(state.token_ids[start : start + n])
+        query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(num_tokens, out=query_start_loc[1:])
+        request_index = np.repeat(np.arange(len(order)), num_tokens)
+        positions = starts[request_index] + (np.arange(len(input_ids)) - query_start_loc[request_index])
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((len(order), max_blocks), dtype=np.int64)
+        for i, state in enumerate(states):
+            block_tables[i, : len(state.block_ids)] = state.block_ids
+        slots = block_tables[request_index, positions // self.block_size] * self.block_size
+        slots += positions % self.block_size
+
+        sample_ids, logits_indices = [], []
+        for i, state in enumerate(states):
+            if state.needs_sampling and seq_lens[i] == len(state.token_ids):
+                sample_ids.append(order[i])
+                logits_indices.append(int(query_start_loc[i + 1]) - 1)
+
+        def to_device(array, dtype=torch.int64) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slots),
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_tables=to_device(block_tables, torch.int32),
+            num_decodes=num_decodes,
+            max_query_len=int(num_tokens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return _BatchInputs(
+            request_ids=order,
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=to_device(positions),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            sample_request_ids=sample_ids,
+        )
+
+    @staticmethod
+    def _sampling_row(state: CachedRequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.sampling_params,
+            generator=state.generator,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+        )

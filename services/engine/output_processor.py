@@ -1,0 +1,209 @@
+"""Turns engine progress into `RequestOutput`s: detokenizes, applies stop strings, and
+builds cumulative, delta or final outputs per the request's `output_kind`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from .request import Request
+from .sampling_params import RequestOutputKind, SamplingParams
+from .scheduler_output import SampledToken
+
+
+@dataclass(slots=True)
+class _SampleState:
+    """One of a request's n samples."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for DELTA outputs
+    finish_sent: bool = False
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[_SampleState]
+    num_cached_tokens: int = 0
+    touched: bool = False  # has news since the last output
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        num_samples: int,
+    ) -> None:
+        want_logprobs = params.logprobs is not None
+        samples = [
+            _SampleState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                ),
+                logprobs=[] if want_logprobs else None,
+                cumulative_logprob=0.0 if want_logprobs else None,
+            )
+            for i in range(num_samples)
+        ]
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time), samples
+        )
+
+    def on_token(
+        self, request_id: str, index: int, token_id: int, sampled: SampledToken, request: Request
+    ) -> str | None:
+        """Records a generated token; returns the stop string it completed, if any."""
+        state = self.states[request_id]
+        sample = state.samples[index]
+        sample.token_ids.append(token_id)
+        if sample.logprobs is not None and sampled.logprob is not None:
+            sample.logprobs.append(self._logprob_dict(sampled))
+            sample.cumulative_logprob += sampled.logprob
+        self._note_progress(state, request)
+        return sample.detokenizer.append(token_id)
+
+    def on_finished(self, request_id: str, index: int, request: Request) -> None:
+        state = self.states[request_id]
+        sample = state.samples[index]
+        if sample.finish_reason is not None:
+            return
+        sample.finish_reason = request.status.finish_reason
+        sample.stop_reason = request.stop_reason
+        sample.detokenizer.flush()
+        self._note_progress(state, request)
+        if state.finished:
+            state.metrics.finished_time = time.monotonic()
+
+    def abort(self, request_id: str) -> None:
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        state.touched = True
+        state.metrics.finished_time = time.monotonic()
+
+    def set_final(
+        self, request_id: str, index: int, token_ids: list[int], cumulative_logprob: float, finish_reason: str
+    ) -> None:
+        """Sets a sample's final tokens at once (beam search decides them only at the end)."""
+        state = self.states[request_id]
+        sample = state.samples[index]
+        sample.token_ids = list(token_ids)
+        sample.cumulative_logprob = cumulative_logprob
+        sample.finish_reason = finish_reason
+        sample.detokenizer.text = self.tokenizer.decode(token_ids, skip_special_tokens=state.params.skip_special_tokens)
+        sample.detokenizer.stopped = True
+        state.touched = True
+        if state.finished:
+            state.metrics.finished_time = time.monotonic()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs for every request with news; finished requests are forgotten."""
+        outputs = []
+        for request_id, state in list(self.states.items()):
+            if not state.touched:
+                continue
+            state.touched = False
+            finished = state.finished
+            if finished:
+                del self.states[request_id]
+            if state.params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs.append(self._make_output(state, finished))
+        return outputs
+
+    # -- internals --------------------------------------------------------------------
+
+    def _note_progress(self, state: RequestState, request: Request) -> None:
+        state.touched = True
+        state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
+        metrics = state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = request.first_scheduled_time
+        if metrics.first_token_time is None and request.num_output_tokens:
+            metrics.first_token_time = time.monotonic()
+        metrics.num_preemptions = max(metrics.num_preemptions, request.num_preemptions)
+
+    def _logprob_dict(self, sampled: SampledToken) -> dict[int, Logprob]:
+        entries = {sampled.token_id: Logprob(sampled.logprob, sampled.rank, self._piece(sampled.token_id))}
+        for rank, (token_id, logprob) in enumerate(sampled.top_logprobs, start=1):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, rank, self._piece(token_id))
+        return entries
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        delta = state.params.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for sample in state.samples:
+            text = sample.detokenizer.take_delta(sample.finish_reason is not None)
+            if delta:
+                begin = sample.num_sent_tokens
+                sample.num_sent_tokens = len(sample.token_ids)
+                if begin == len(sample.token_ids) and not text and (sample.finish_reason is None or sample.finish_sent):
+                    continue  # nothing new for this sample
+                token_ids = sample.token_ids[begin:]
+                logprobs = None if sample.logprobs is None else sample.logprobs[begin:]
+            else:
+                text = (
+                    sample.detokenizer.text
+                    if sample.finish_reason is not None
+                    else (sample.detokenizer.text[: sample.detokenizer.num_emitted_chars])
+                )
+                token_ids = list(sample.token_ids)
+                logprobs = None if sample.logprobs is None else list(sample.logprobs)
+            sample.finish_sent = sample.finish_reason is not None
+            completions.append(
+                CompletionOutput(
+                    sample.index,
+                    text,
+                    token_ids,
+                    sample.cumulative_logprob,
+                    logprobs,
+                    sample.finish_reason,
+                    sample.stop_reason,
+                )
+            )
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            state.num_cached_tokens,
+            state.metrics,
+        )

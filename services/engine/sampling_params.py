@@ -1,0 +1,129 @@
+"""Per-request generation settings, validated when constructed.
+
+Field names and defaults follow vLLM's `SamplingParams`, so code written against vLLM reads
+the same here. `validate_for_model` adds the checks that need the model (vocabulary size).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+# Below this temperature sampling is greedy (argmax), as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all tokens and text so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # a single output when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks
+    max_tokens: int | None = 16  # None: up to the model's context limit
+    min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = -1  # -1 disables
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
+    seed: int | None = None  # per-request generator: reproducible inside any batch
+    presence_penalty: float = 0.0  # OpenAI-style, on generated tokens
+    frequency_penalty: float = 0.0  # OpenAI-style, on generated tokens
+    repetition_penalty: float = 1.0  # HF/CTRL-style, on prompt and generated tokens
+    stop: list[str] = field(default_factory=list)  # stop strings (excluded from the text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per token (the sampled token always included)
+    allowed_token_ids: list[int] | None = None  # restrict sampling to these tokens
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            self.top_k == -1 or self.top_k >= 1,
+            "top_k",
+            f"must be -1 (disabled) or >= 1, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        if self.logprobs is not None:
+            _check(self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty")
+        if self.use_beam_search:
+            _check(self.beam_width >= 1, "beam_width", f"must be >= 1, got {self.beam_width}")
+            _check(self.n == 1, "n", "beam search returns beam_width beams; n must be 1")
+            _check(self.max_tokens is not None, "max_tokens", "beam search needs max_tokens")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the engine: vocabulary bounds and the logprobs limit."""
+        if self.logprobs is not None:
+            _check(
+                self.logprobs <= max_logprobs,
+                "logprobs",
+                f"must be <= {max_logprobs} (the engine's max_logprobs), got {self.logprobs}",
+            )
+        if self.use_beam_search:
+            _check(
+                2 * self.beam_width <= vocab_size,
+                "beam_width",
+                f"must be <= half the vocabulary ({vocab_size // 2}), got {self.beam_width}",
+            )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, name, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(name, message)

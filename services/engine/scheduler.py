@@ -1,0 +1,272 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption.
+
+One rule covers prefill, decode and chunked prefill: every step, a request computes up to
+`num_tokens - num_computed_tokens` of its tokens (its prompt at first, then the token it
+last sampled), within the step's token budget. Each step:
+
+  1. running requests that are decoding (one token left), oldest first, so a long prompt
+     never starves them; then running requests in the middle of their prompt;
+  2. waiting requests, oldest first, with their prefix-cache hit, while budget, sequence
+     slots and blocks last.
+
+When a running request cannot get a block, the most recently admitted running request
+(not yet scheduled this step) is preempted: its blocks are freed and it goes back to the
+head of the queue, to be recomputed later (its cached prefix usually survives).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .config import CacheConfig, SchedulerConfig
+from .kv_cache_manager import KVCacheManager
+from .kv_events import KVEvent
+from .request import Request, RequestStatus
+from .scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _RunnerView:
+    num_tokens: int  # the runner holds all_token_ids[:num_tokens]
+    num_blocks: int  # and the first num_blocks of its block table
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = cache.block_size
+        self.kv = KVCacheManager(cache.block_size, num_blocks, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # What the model runner holds of each request; absent: nothing.
+        self._runner_views: dict[str, _RunnerView] = {}
+        # Requests the runner holds without blocks (preempted): resent with a full table.
+        self._needs_full_table: set[str] = set()
+        self._finished_since_last: set[str] = set()
+        self._preempted_since_last: set[str] = set()
+        # Prefix-cache effectiveness, counted when requests are admitted.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- request lifecycle ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_forked_request(self, parent: Request, child: Request) -> None:
+        """Starts `child` running on the parent's blocks (shared, copied on write)."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        assert (
+            child.all_token_ids[: parent.num_computed_tokens] == parent.all_token_ids[: parent.num_computed_tokens]
+        ), "a fork must share the parent's computed tokens"
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def append_token(self, request: Request, token_id: int, check_stop: bool = True) -> bool:
+        """Appends a sampled token; returns True if it finished the request."""
+        request.append_output_token(token_id)
+        if not check_stop:
+            return False
+        status, stop_reason = self._stop_status(request, token_id)
+        if status is not None:
+            self.finish_request(request.request_id, status, stop_reason)
+            return True
+        return False
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """Ends a request (stop, length or abort) and frees its blocks; idempotent."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        self._needs_full_table.discard(request_id)
+        if self._runner_views.pop(request_id, None) is not None:
+            self._finished_since_last.add(request_id)
+        return request
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        finished = [self.finish_request(rid, status) for rid in request_ids]
+        return [r for r in finished if r is not None]
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.take_events()
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted_now = False
+
+        # 1. Running requests: decodes first, then prompts in the middle of a chunked prefill.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                continue  # waiting on its group (beam search) or done filling blocks
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim(scheduled, request)
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+
+        # 2. Waiting requests, unless this step had to preempt (memory is short).
+        while self.waiting and not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._cap_chunk(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.num_prefix_cache_queries += request.num_tokens
+            self.num_prefix_cache_hits += num_hit_tokens
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._make_output(scheduled)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        return self._cap_chunk(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _cap_chunk(self, num_tokens: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
+
+    def _pick_victim(self, scheduled: dict[str, int], current: Request) -> Request:
+        """The most recently admitted running request not scheduled yet in this step."""
+        for request in reversed(self.running):
+            if request is current or request.request_id not in scheduled:
+                return request
+        return current
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if request.request_id in self._runner_views:
+            self._preempted_since_last.add(request.request_id)
+            self._needs_full_table.add(request.request_id)
+
+    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        # Before min_tokens the sampler masks EOS and stop tokens; this guard mirrors it.
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        rewritten = self.kv.take_rewritten()
+        now = time.monotonic()
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            view = self._runner_views.get(request_id)
+            block_ids = self.kv.get_block_ids(request_id)
+            if view is None:
+                new_reqs.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                        seed=request.seed,
+                        needs_sampling=request.needs_sampling,
+                    )
+                )
+            else:
+                full_table = request_id in self._needs_full_table or request_id in rewritten
+                cached_reqs.append(
+                    CachedRequestData(
+                        request_id=request_id,
+                        new_token_ids=request.all_token_ids[view.num_tokens :],
+                        new_block_ids=[] if full_table else block_ids[view.num_blocks :],
+                        block_ids=block_ids if full_table else None,
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            self._runner_views[request_id] = _RunnerView(request.num_tokens, len(block_ids))
+            self._needs_full_table.discard(request_id)
+            request.num_computed_tokens += num_new
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=self._finished_since_last,
+            preempted_req_ids=self._preempted_since_last,
+            block_copies=self.kv.take_block_copies(),
+        )
+        self._finished_since_last = set()
+        self._preempted_since_last = set()
+        return output

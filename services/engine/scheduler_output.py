@@ -1,0 +1,69 @@
+"""The typed contracts of one engine step: scheduler -> model runner -> scheduler.
+
+The model runner keeps each request's tokens and block table between steps, so the
+scheduler sends a request in full once (`NewRequestData`) and afterwards only what
+changed (`CachedRequestData`). The same objects go to every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt + any output so far (a request resumed after preemption)
+    num_prompt_tokens: int  # penalties treat token_ids[:num_prompt_tokens] as the prompt
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens whose K/V are already in those blocks (prefix hit)
+    seed: int  # per-request sampling seed (the user's, or one drawn by the engine)
+    needs_sampling: bool = True  # False: fill the blocks, produce no token
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    request_id: str
+    new_token_ids: list[int]  # tokens appended since the runner last saw the request
+    new_block_ids: list[int]  # blocks appended to its table
+    block_ids: list[int] | None  # the whole table, when it changed in place (resume, copy on write)
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests the runner has not seen (or has dropped since), in full.
+    scheduled_new_reqs: list[NewRequestData]
+    # Requests the runner already holds: only what changed.
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Tokens to compute this step, per request; the batch order is this dict's order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: the runner drops their blocks, keeps their state.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # KV block copies (src, dst) to perform before the forward pass (copy on write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # raw log-softmax of the model's logits
+    rank: int  # 1 = most likely token
+    # Top-N (token id, logprob), most likely first; empty unless logprobs were asked for.
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One entry per request that reached the end of its tokens this step.
+    sampled: dict[str, SampledToken]

@@ -1,0 +1,55 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the
+vocabulary (padded so all slices are equal)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import _param
+from .parallel import TPGroup
+from .weights import LoadedWeight, copy_into, narrow, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, embed_dim: int, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
+        self.weight = _param(self.shard_size, embed_dim, dtype=dtype, device=device)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        rows = shape_of(loaded)[0]
+        if rows != self.vocab_size:
+            raise ValueError(f"vocabulary weight has {rows} rows, config says {self.vocab_size}")
+        num_rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        copy_into(param.data[:num_rows], narrow(loaded, 0, self.vocab_start, num_rows), "vocab shard")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        embeds = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(embeds)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T, each rank computing its vocabulary slice, gathered along vocab."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - use compute_logits
+        return self.compute_logits(hidden)
