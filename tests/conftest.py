@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton kernels run under the interpreter on machines without CUDA. Set before any kernel
+# module is imported (kernels are imported lazily, on first use).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from testlib.models import tiny_model

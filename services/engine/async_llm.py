@@ -30,6 +30,7 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_IDLE_TICK_S = 0.25
 
 
 class RequestStream:
@@ -200,7 +201,8 @@ class AsyncLLM:
                 while self._commands:
                     self._commands.popleft()()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=1.0)
+                    self.engine.publish_kv_events()  # an idle engine still answers snapshot requests
+                    self._wakeup.wait(timeout=_IDLE_TICK_S)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()

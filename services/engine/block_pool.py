@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_hash import BlockHash
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot, KVEvent
 
 
 @dataclass(slots=True, eq=False)
@@ -112,6 +112,10 @@ class BlockPool:
     def cached_block_hashes(self) -> set[BlockHash]:
         """Snapshot of the prefix cache (what a router should index for this worker)."""
         return set(self.cached)
+
+    def snapshot(self) -> KVCacheSnapshot:
+        """The cache's hashes, consistent with every event emitted so far."""
+        return KVCacheSnapshot(self._next_seq, frozenset(self.cached))
 
     # -- actions ----------------------------------------------------------------------
 

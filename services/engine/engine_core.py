@@ -197,10 +197,16 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
             self._update(scheduler_output, runner_output)
         self._fork_completed_prefixes()
+        self.publish_kv_events()
+        return self.outputs.take_outputs()
+
+    def publish_kv_events(self) -> None:
+        """Hands this step's KV events (and a snapshot, if asked for) to the publisher."""
         events = self.scheduler.take_kv_events()
         if events:
             self.publisher.publish(events)
-        return self.outputs.take_outputs()
+        if self.publisher.wants_snapshot():
+            self.publisher.publish_snapshot(self.scheduler.kv.pool.snapshot())
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

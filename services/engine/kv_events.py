@@ -36,11 +36,30 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSnapshot:
+    """Every cached block hash at one moment: the state after all events with seq < next_seq."""
+
+    next_seq: int
+    block_hashes: frozenset[BlockHash]
+
+
 class KVEventPublisher(ABC):
-    """Receives each step's events, in sequence order. Must not block the engine loop."""
+    """Receives each step's events in sequence order, on the engine thread; must not block it.
+
+    A publisher that lost events (a gap, a reconnect, a restart of its sink) asks for a
+    snapshot through `wants_snapshot`; the engine answers with `publish_snapshot` on its
+    next step or idle tick, from the same thread, so snapshot and events stay ordered.
+    """
 
     @abstractmethod
     def publish(self, events: list[KVEvent]) -> None: ...
+
+    def wants_snapshot(self) -> bool:
+        return False
+
+    def publish_snapshot(self, snapshot: KVCacheSnapshot) -> None:  # noqa: B027 - optional hook
+        pass
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
