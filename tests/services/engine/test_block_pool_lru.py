@@ -1,0 +1,109 @@
+"""Prefix-cache eviction order and O(1) revival, checked directly on the pool, plus a
+property test over random allocate / extend / free / hit sequences."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from baton.services.engine.block_hash import hash_request_tokens
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.request import Request
+from baton.services.engine.sampling_params import SamplingParams
+
+B = 4
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(), frozenset(), max_tokens=1000)
+
+
+def run_prefill(kv: KVCacheManager, request: Request) -> list[int]:
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, hits) is not None
+    request.num_computed_tokens = request.num_tokens
+    return kv.get_block_ids(request.request_id)
+
+
+def test_freed_blocks_stay_cached_and_tail_blocks_go_first():
+    kv = KVCacheManager(block_size=B, num_blocks=6)
+    request = make_request("a", range(100, 113))  # 3 full blocks + 1 token
+    ids = run_prefill(kv, request)
+    kv.free(request)
+    assert kv.num_free_blocks == 6
+    assert len(kv.pool.cached_block_hashes()) == 3
+    # Free queue: the two never-used blocks, then a's blocks tail first.
+    queue = [b.block_id for b in kv.pool.free_queue]
+    assert queue == [4, 5, ids[3], ids[2], ids[1], ids[0]]
+    # Allocating 4 new blocks evicts a's last full block (ids[2]) before its first two.
+    other = make_request("b", range(500, 516))
+    run_prefill(kv, other)
+    expected = hash_request_tokens(list(range(100, 113)), B)
+    assert kv.pool.cached_block_hashes() & set(expected) == set(expected[:2])
+    removed = [h for e in kv.pool.take_events() if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert removed == [expected[2]]
+    kv.check_integrity()
+
+
+def test_hit_revives_a_free_block_in_place():
+    kv = KVCacheManager(block_size=B, num_blocks=8)
+    first = make_request("a", range(100, 109))
+    ids = run_prefill(kv, first)
+    kv.free(first)
+    again = make_request("b", range(100, 109))
+    hits, num_hit = kv.get_computed_blocks(again)
+    assert [b.block_id for b in hits] == ids[:2] and num_hit == 8
+    assert all(b.ref_cnt == 0 for b in hits)
+    kv.allocate_slots(again, 1, hits)
+    assert all(b.ref_cnt == 1 for b in hits)
+    assert all(b.block_id not in {f.block_id for f in kv.pool.free_queue} for b in hits)
+    kv.check_integrity()
+
+
+def test_a_hit_checks_tokens_not_just_the_hash():
+    kv = KVCacheManager(block_size=B, num_blocks=8)
+    run_prefill(kv, make_request("a", range(100, 109)))
+    block = kv.pool.cached[hash_request_tokens(list(range(100, 109)), B)[0]]
+    block.token_ids = (1, 2, 3, 4)  # as if two prefixes collided on one hash
+    hits, num_hit = kv.get_computed_blocks(make_request("b", range(100, 109)))
+    assert hits == [] and num_hit == 0
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["add", "extend", "free"]), st.integers(0, 7), st.integers(1, 14)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations)
+def test_random_operations_keep_the_invariants(ops):
+    kv = KVCacheManager(block_size=B, num_blocks=16)
+    live: dict[str, Request] = {}
+    counter = 0
+    for op, choice, length in ops:
+        if op == "add":
+            counter += 1
+            # A tiny alphabet and shared starts make prefix hits frequent.
+            tokens = [(choice + i // 3) % 4 for i in range(length)]
+            request = make_request(f"r{counter}", tokens)
+            hits, num_hit = kv.get_computed_blocks(request)
+            if kv.allocate_slots(request, request.num_tokens - num_hit, hits) is not None:
+                request.num_computed_tokens = request.num_tokens
+                live[request.request_id] = request
+        elif op == "extend" and live:
+            request = list(live.values())[choice % len(live)]
+            for t in range(length % 5 + 1):
+                request.append_output_token(t % 4)
+            new = request.num_tokens - request.num_computed_tokens
+            if kv.allocate_slots(request, new) is not None:
+                request.num_computed_tokens = request.num_tokens
+        elif op == "free" and live:
+            request = live.pop(list(live)[choice % len(live)])
+            kv.free(request)
+        kv.check_integrity()
+    for request in live.values():
+        kv.free(request)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 16
