@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from baton.services.engine import LLM, AsyncLLM, InvalidRequestError, RequestOutputKind, SamplingParams
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testlib.hf import hf_model
-
 from baton.services.engine import LLM, SamplingParams
+from testlib.hf import hf_model
 
 
 def hf_beams(path, prompt_ids, width, max_new_tokens):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from baton.services.engine.block_pool import BlockPool
 from baton.services.engine.kv_cache_manager import KVCacheManager
 from baton.services.engine.request import Request

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from baton.services.engine import LLM, RequestOutputKind, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore

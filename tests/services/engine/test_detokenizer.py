@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from baton.services.engine.detokenizer import IncrementalDetokenizer
 from baton.services.engine.tokenizer import load_tokenizer
 

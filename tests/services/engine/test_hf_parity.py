@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from testlib.hf import PROMPTS, hf_greedy
-
 from baton.services.engine import LLM, SamplingParams
+from testlib.hf import PROMPTS, hf_greedy
 
 MAX_TOKENS = 24
 

@@ -4,7 +4,6 @@ each with its own output; seeded samples are reproducible."""
 from __future__ import annotations
 
 import pytest
-
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore
@@ -14,8 +13,9 @@ PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16, then a partial
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_samples_share_prompt_blocks_and_copy_the_partial_one(llama_dir, prefix_caching):
-    config = EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=64, block_size=16,
-                                      enable_prefix_caching=prefix_caching)
+    config = EngineConfig.from_kwargs(
+        model=str(llama_dir), num_kv_blocks=64, block_size=16, enable_prefix_caching=prefix_caching
+    )
     engine = EngineCore(config)
     engine.add_request("r", PROMPT, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3))
     engine.step()  # computes the 39-token shared prefix, then forks 4 samples from it
@@ -41,7 +41,9 @@ def test_seeded_samples_are_reproducible_and_distinct(llama_dir):
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) == 4
     # Sample i is the same draw as a single request seeded with seed + i.
-    singles = llm.generate([PROMPT] * 4, [SamplingParams(max_tokens=16, temperature=1.0, seed=11 + i) for i in range(4)])
+    singles = llm.generate(
+        [PROMPT] * 4, [SamplingParams(max_tokens=16, temperature=1.0, seed=11 + i) for i in range(4)]
+    )
     assert [c.token_ids for c in first.outputs] == [s.token_ids for s in singles]
 
 

@@ -3,9 +3,8 @@ produce exactly the unconstrained outputs; afterwards every block is free."""
 
 from __future__ import annotations
 
-from testlib.hf import PROMPTS
-
 from baton.services.engine import LLM, SamplingParams
+from testlib.hf import PROMPTS
 
 
 def test_preemption_keeps_outputs_and_frees_every_block(llama_dir):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.block_hash import hash_request_tokens
 from baton.services.engine.engine_core import EngineCore
@@ -85,8 +84,9 @@ def test_events_replay_to_the_pool_state(llama_dir):
     publisher = InMemoryKVEventPublisher()
     from baton.services.engine.config import EngineConfig
 
-    engine = EngineCore(EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=24, block_size=BLOCK),
-                        kv_event_publisher=publisher)
+    engine = EngineCore(
+        EngineConfig.from_kwargs(model=str(llama_dir), num_kv_blocks=24, block_size=BLOCK), kv_event_publisher=publisher
+    )
     rng = random.Random(7)
     shared = prompt_tokens(9, 48)
     for i in range(30):  # many requests through a small cache: stores and evictions

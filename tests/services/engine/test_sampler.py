@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from baton.services.engine.sampler import Sampler, SamplingRow
 from baton.services.engine.sampling_params import SamplingParams
 

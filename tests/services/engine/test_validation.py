@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from baton.services.engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 
 

@@ -1,0 +1,62 @@
+"""Shared benchmark pieces: a cached ~30M-parameter random Llama and seeded workloads."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_MODELS = REPO / ".baton" / "bench-models"
+
+
+def bench_model(arch: str = "llama") -> Path:
+    """The `bench` preset (hidden 512, 8 layers, GQA 8/4, vocab 8192), built once."""
+    from baton.services.model.tiny import make_tiny_model
+
+    path = BENCH_MODELS / f"{arch}-bench"
+    if not (path / "model.safetensors").exists():
+        make_tiny_model(path, arch=arch, preset="bench")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def mixed_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [
+        BenchRequest(
+            [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range)
+        )
+        for _ in range(num_requests)
+    ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def num_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            shape = f.get_slice(name).get_shape()
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+    return total

@@ -1,0 +1,174 @@
+"""Engine benchmarks (CPU, float32), each against a baseline measured in the same run.
+
+throughput  Baton vs Hugging Face `generate` with padded static batches: the same 64
+            requests with mixed prompt and output lengths; output tokens/s and the ratio.
+prefix      32 requests sharing a 90% prefix, arriving together: mean TTFT with prefix
+            caching vs without.
+chunked     a decode-heavy batch plus one long prompt: decode TPOT p99 with chunked
+            prefill vs without.
+
+  python bench/engine.py [throughput|prefix|chunked|all] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from baton.services.engine import LLM, RequestOutputKind, SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine_core import EngineCore
+from common import BenchRequest, bench_model, mixed_workload, num_params, percentile
+
+
+def run_baton(model_dir, requests: list[BenchRequest], **engine_kwargs) -> float:
+    llm = LLM(model=str(model_dir), **engine_kwargs)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == [r.max_tokens for r in requests]
+    return elapsed
+
+
+def run_hf(model_dir, requests: list[BenchRequest], batch_size: int) -> float:
+    """Static batches in arrival order, left-padded; each batch runs to its longest output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id or 0
+    start = time.perf_counter()
+    for begin in range(0, len(requests), batch_size):
+        batch = requests[begin : begin + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids) :] = 1
+        longest = max(r.max_tokens for r in batch)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+    return time.perf_counter() - start
+
+
+def bench_throughput(quick: bool) -> None:
+    model_dir = bench_model()
+    num = 16 if quick else 64
+    requests = mixed_workload(num, (16, 512), (16, 256), vocab_size=8192, seed=0)
+    useful = sum(r.max_tokens for r in requests)
+    print(
+        f"model: random Llama, {num_params(model_dir) / 1e6:.1f}M parameters, float32, {torch.get_num_threads()} threads"
+    )
+    print(f"workload: {num} requests, prompts 16-512 tokens, outputs 16-256 tokens ({useful} output tokens)")
+    baton_s = run_baton(model_dir, requests, num_kv_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048)
+    print(f"baton            {baton_s:7.2f} s  {useful / baton_s:8.1f} output tok/s")
+    best = None
+    for batch_size in (8, 16, 64) if not quick else (16,):
+        hf_s = run_hf(model_dir, requests, batch_size)
+        print(f"hf generate b={batch_size:<3} {hf_s:7.2f} s  {useful / hf_s:8.1f} output tok/s")
+        best = hf_s if best is None else min(best, hf_s)
+    print(f"ratio baton / best hf: {best / baton_s:.2f}x (goal >= 4x)")
+
+
+def ttft_of_burst(model_dir, prompts: list[list[int]], prefix_caching: bool) -> float:
+    """Mean time to first token of requests that all arrive at once (cache warmed by one)."""
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir),
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = EngineCore(config)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    engine.add_request("warm", prompts[0], params)  # one earlier request holding the shared prefix
+    while engine.has_unfinished_requests():
+        engine.step()
+    arrival = time.monotonic()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, arrival_time=arrival)
+    ttfts = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ttfts.append(out.metrics.first_token_time - arrival)
+    return sum(ttfts) / len(ttfts)
+
+
+def bench_prefix(quick: bool) -> None:
+    import random
+
+    model_dir = bench_model()
+    rng = random.Random(1)
+    length, shared = 1024, 922  # 90% shared
+    prefix = [rng.randrange(3, 8192) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(3, 8192) for _ in range(length - shared)] for _ in range(8 if quick else 32)]
+    off = ttft_of_burst(model_dir, prompts, prefix_caching=False)
+    on = ttft_of_burst(model_dir, prompts, prefix_caching=True)
+    print(f"shared-prefix burst: {len(prompts)} requests x {length} tokens, {shared} shared (90%)")
+    print(f"mean TTFT without prefix caching {off * 1000:8.1f} ms")
+    print(f"mean TTFT with prefix caching    {on * 1000:8.1f} ms")
+    print(f"ratio: {on / off:.3f}x (goal <= 0.2x)")
+
+
+def decode_itls(model_dir, chunked: bool, long_prompt: int) -> list[float]:
+    """Inter-token latencies of 16 decoding requests while one long prompt arrives."""
+    budget = 256 if chunked else long_prompt + 64
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir),
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=False,
+    )
+    engine = EngineCore(config)
+    decode = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i in range(16):
+        engine.add_request(f"d{i}", [5 + i] * 32, decode)
+    last: dict[str, float] = {}
+    itls: list[float] = []
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 10:
+            engine.add_request("long", list(range(10, 10 + long_prompt)), SamplingParams(max_tokens=1, temperature=0))
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id.startswith("d") and out.token_ids:
+                if out.request_id in last:
+                    itls.append(now - last[out.request_id])
+                last[out.request_id] = now
+        step += 1
+    return itls
+
+
+def bench_chunked(quick: bool) -> None:
+    model_dir = bench_model()
+    long_prompt = 1024 if quick else 3072
+    without = decode_itls(model_dir, chunked=False, long_prompt=long_prompt)
+    with_chunks = decode_itls(model_dir, chunked=True, long_prompt=long_prompt)
+    print(f"16 decoding requests + one {long_prompt}-token prompt arriving mid-decode")
+    for name, itls in (("without chunked prefill", without), ("with chunked prefill   ", with_chunks)):
+        print(
+            f"{name}: TPOT p50 {percentile(itls, 50) * 1000:7.1f} ms  p99 {percentile(itls, 99) * 1000:7.1f} ms"
+            f"  max {max(itls) * 1000:7.1f} ms"
+        )
+    print(f"p99 ratio chunked / unchunked: {percentile(with_chunks, 99) / percentile(without, 99):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", nargs="?", default="all", choices=["throughput", "prefix", "chunked", "all"])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    args = parser.parse_args()
+    for name, fn in (("throughput", bench_throughput), ("prefix", bench_prefix), ("chunked", bench_chunked)):
+        if args.which in (name, "all"):
+            print(f"== {name}")
+            fn(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""One rank of the model: its device, its shard of the weights, its share of the KV cache.
+
+In-process for tensor_parallel_size 1 (`UniProcExecutor`), or one Ray actor per rank
+(`RayTPExecutor`). Start-up has phases, so a TP group can form before loading weights:
+
+    Worker(config, arch, rank, world_size)   cheap; no torch.distributed yet
+    .init_distributed(init_method)           TP > 1 only: joins the group (gloo / NCCL)
+    .load_model()                            loads this rank's shard; returns KV blocks that fit
+    .initialize_kv_cache(num_blocks)         the same count on every rank
+    .execute_model(scheduler_output)         every step
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..model.config import ModelArch
+from ..model.parallel import TPGroup, backend_for_device
+from .config import EngineConfig
+from .cpu_tuning import tune_malloc_for_cpu_inference
+from .model_runner import ModelRunner
+from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+_CPU_DEFAULT_KV_BYTES = 512 * 2**20
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Worker:
+    def __init__(
+        self, config: EngineConfig, arch: ModelArch, rank: int = 0, world_size: int = 1, num_threads: int | None = None
+    ) -> None:
+        self.config = config
+        self.arch = arch
+        self.rank = rank
+        self.world_size = world_size
+        self.device = resolve_device(config.runner.device)
+        if self.device.type == "cpu":
+            tune_malloc_for_cpu_inference()
+        threads = config.runner.num_threads or num_threads
+        if threads:
+            torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 in actors
+        self.tp = TPGroup()
+        self.runner: ModelRunner | None = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This worker's host and a free TCP port on it (rank 0 hosts the group's store)."""
+        host = "127.0.0.1" if self.device.type == "cpu" else socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def init_distributed(self, init_method: str) -> None:
+        backend = backend_for_device(self.device)
+        timeout = datetime.timedelta(seconds=self.config.parallel.worker_timeout_s)
+        dist.init_process_group(
+            backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+        self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
+
+    def load_model(self) -> int:
+        """Loads this rank's shard; returns how many KV blocks this rank's budget holds."""
+        self.runner = ModelRunner(
+            model_dir=self.config.model.model,
+            arch=self.arch,
+            dtype=resolve_dtype(self.config.model.dtype, self.arch, self.device),
+            device=self.device,
+            block_size=self.config.cache.block_size,
+            kernel_impl=self.config.runner.kernel_backend,
+            tp=self.tp,
+        )
+        return num_kv_blocks_for(self.config, self.runner.kv_block_bytes, self.device)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, on the CPU (for inspection and tests)."""
+        return {name: p.detach().cpu() for name, p in self.runner.model.named_parameters()}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device) -> torch.dtype:
+    """auto: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls are slow there)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(arch.torch_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+def num_kv_blocks_for(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+    """KV-cache blocks that fit the configured budget (explicit count, bytes, or share of
+    the device's free memory on CUDA), for one rank."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used
+        # Leave room for the activations of the largest step (a rough, conservative bound).
+        budget -= 64 * 2**20
+    else:
+        budget = _CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise RuntimeError(f"the KV-cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
+    return num_blocks
