@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: setup protos test test-fast lint format bench bench-engine clean
+.PHONY: setup protos serve test test-fast lint format bench bench-engine clean
 
 setup: $(STAMP) protos
 
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml setup.py
 	touch $@
 
 protos: $(STAMP)
-	@if [ -n "$(PROTO_SRC)" ]; then $(BIN)/python -m baton.services.protos_build; fi
+	$(BIN)/python -c "import baton.v1; baton.v1.generate(force=True)"
+
+# The embedded default: local Ray + local Redis + the tiny model (built once), colocated.
+serve: setup
+	$(BIN)/baton serve $(if $(CONFIG),--config $(CONFIG)) $(if $(MODEL),--model $(MODEL))
 
 # The whole suite. pytest exits 5 when it collects nothing, which fails this target.
 test: setup
@@ -40,6 +44,19 @@ bench: bench-engine
 
 bench-engine: setup
 	$(BIN)/python bench/engine.py
+
+# Kernel tests compiled on CUDA, then decode/prefill kernel benchmarks (bench/gpu_check.py).
+# No prerequisites: the GPU machine has torch and Triton but no venv. The venv's python when
+# there is one, unless PYTHON is given (PYTHON=python3 make gpu-check); extra flags go in
+# GPU_CHECK_ARGS, e.g. GPU_CHECK_ARGS="--peak-bandwidth-tbs 4.8 --no-sweep".
+ifeq ($(origin PYTHON),file)
+PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+else
+PY ?= $(PYTHON)
+endif
+.PHONY: gpu-check
+gpu-check:
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .baton build *.egg-info

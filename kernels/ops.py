@@ -32,11 +32,21 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl: Ke
     return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, impl: KernelImpl = "auto"):
+def paged_decode_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    max_seq_len: int | None = None,
+    impl: KernelImpl = "auto",
+):
+    """`max_seq_len` (an upper bound of seq_lens) lets the Triton path skip a device sync."""
     if use_triton(impl, query):
         from .paged_decode_attention import paged_decode_attention
 
-        return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
     return reference.paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 

@@ -64,7 +64,14 @@ class PagedAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decodes
         if num_decodes == metadata.num_reqs:
             return ops.paged_decode_attention(
-                q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, scale, impl=self.impl
+                q,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                max_seq_len=metadata.max_seq_len,
+                impl=self.impl,
             )
         out = torch.empty_like(q)
         if num_decodes:
@@ -75,6 +82,7 @@ class PagedAttentionBackend(AttentionBackend):
                 metadata.block_tables[:num_decodes],
                 metadata.seq_lens[:num_decodes],
                 scale,
+                max_seq_len=metadata.max_seq_len,
                 impl=self.impl,
             )
         out[num_decodes:] = ops.prefill_attention(

@@ -1,0 +1,98 @@
+"""Argument checks every Triton launcher runs before it launches.
+
+A kernel given a wrong stride or dtype reads garbage instead of failing, so launchers check
+their inputs on the host, with messages that name the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .interpreter import is_interpreter
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (as the query/input), got {tensor.dtype}")
+
+
+def check_int(name: str, tensor: torch.Tensor, dims: int) -> None:
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(tensor.shape)}")
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tensor.stride()}")
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    """Rows may be strided (views of a merged qkv), but each row is read as one vector."""
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tensor.stride()}")
+
+
+def check_devices(**tensors: torch.Tensor) -> None:
+    """One device for all; CUDA unless Triton is interpreting on the CPU."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+    device = next(iter(devices.values()))
+    if device.type != "cuda" and not is_interpreter():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
+
+
+def check_head_dim(head_dim: int) -> None:
+    """tl.dot needs at least 16 along each dim; tiles are powers of two."""
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    """Key and value caches [N, B, H_kv, D] share one layout, so kernels get one set of strides."""
+    check_float("key_cache", key_cache, dtype)
+    check_float("value_cache", value_cache, dtype)
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {key_cache.shape}")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            f"key_cache and value_cache must share shape and strides, got {tuple(key_cache.shape)}/"
+            f"{key_cache.stride()} and {tuple(value_cache.shape)}/{value_cache.stride()}"
+        )
+    check_last_dim_contiguous("key_cache", key_cache)
+    block_size = key_cache.shape[1]
+    if not (1 <= block_size <= 256 and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """What decode and prefill attention both need: query [*, H, D] with H a multiple of the
+    cache's H_kv, and one block-table row and one context length per request."""
+    check_float("query", query)
+    check_last_dim_contiguous("query", query)
+    check_paged_cache(key_cache, value_cache, query.dtype)
+    check_int("block_tables", block_tables, dims=2)
+    check_int("seq_lens", seq_lens, dims=1)
+    check_devices(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens
+    )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    check_head_dim(head_dim)
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"key_cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} needs a row per seq_lens entry ({seq_lens.shape[0]})"
+        )

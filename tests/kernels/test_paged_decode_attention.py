@@ -1,0 +1,111 @@
+"""Paged decode attention (Triton) against `paged_decode_attention_ref`, unsplit and split-K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.kernels import paged_decode_attention as decode_module
+from baton.kernels.paged_decode_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits, paged_decode_attention
+from baton.kernels.reference import paged_decode_attention_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+# Beyond the main sweep: the tiny test models' head_dim, MQA, head_dim 256, and block sizes
+# from 1 to 256 (from 64 up, a key tile no longer spans blocks).
+OTHER_SHAPES = [
+    (16, 2, 2, 16),
+    (32, 8, 1, 8),
+    (256, 2, 2, 16),
+    (64, 4, 2, 1),
+    (64, 4, 2, 64),
+    (64, 4, 2, 128),
+    (128, 16, 1, 256),
+]
+OTHER_SHAPE_IDS = [f"d{d}-gqa{g}-kv{h}-block{b}" for d, g, h, b in OTHER_SHAPES]
+
+
+def ragged_lens(block_size: int) -> list[int]:
+    """Lengths 1, under one block, exactly one block, and non-multiples of the block size."""
+    return [1, 7, block_size, block_size + 3, 3 * block_size - 1, 100]
+
+
+def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, **kw):
+    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(query, ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, scale, **kw)
+    expected = paged_decode_attention_ref(query.cpu().float(), *ctx.reference_inputs(), scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    check(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+    run_and_check(
+        paged_context, heads_view, check, ragged_lens(block_size), 2, group, head_dim, block_size, dtype, num_splits=1
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_splits", [2, 3, 8], ids=lambda s: f"splits{s}")
+def test_split_k_matches_reference(paged_context, heads_view, check, num_splits, dtype):
+    # Longer contexts, and a short one that leaves most splits empty.
+    seq_lens = [1, 130, 333, 600]
+    run_and_check(paged_context, heads_view, check, seq_lens, 2, 4, 64, 16, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim, group, num_kv_heads, block_size", OTHER_SHAPES, ids=OTHER_SHAPE_IDS)
+def test_other_shapes(paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype):
+    seq_lens = [1, 5, 70, 300]
+    run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_float16(paged_context, heads_view, check, num_splits):
+    run_and_check(paged_context, heads_view, check, [1, 40, 300], 2, 4, 64, 16, torch.float16, num_splits=num_splits)
+
+
+def test_heuristic_splits_when_few_programs(monkeypatch, paged_context, heads_view, check):
+    monkeypatch.setattr(decode_module, "_num_sms", lambda device: 132)
+    assert choose_num_splits(1, 2, 600, 132) > 1
+    run_and_check(paged_context, heads_view, check, [600], 2, 4, 64, 16, torch.float32)
+
+
+def test_choose_num_splits():
+    # Enough (request, KV head) programs already: no split.
+    assert choose_num_splits(64, 8, 4096, 132) == 1
+    # Short contexts are not worth a reduce pass.
+    assert choose_num_splits(1, 8, 2 * MIN_TOKENS_PER_SPLIT - 1, 132) == 1
+    # One long request: split, but every split keeps MIN_TOKENS_PER_SPLIT tokens.
+    splits = choose_num_splits(1, 8, 32768, 132)
+    assert 1 < splits <= 32768 // MIN_TOKENS_PER_SPLIT
+    assert choose_num_splits(1, 1, 10**6, 132) <= 64
+    assert choose_num_splits(1, 8, 1024, 132) == 1024 // MIN_TOKENS_PER_SPLIT
+
+
+def test_max_seq_len_hint_is_an_upper_bound(paged_context, heads_view, check):
+    # The backend passes the batch's longest context, which may exceed every decode's.
+    run_and_check(paged_context, heads_view, check, [3, 40], 2, 4, 64, 16, torch.float32, max_seq_len=900)
+
+
+def test_launcher_rejects_bad_inputs(paged_context, heads_view):
+    ctx = paged_context([5], 2, 64, 16, torch.float32)
+    query = heads_view(1, 4, 64, torch.float32)
+    args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, 0.125)
+    with pytest.raises(TypeError, match="key_cache must have dtype"):
+        paged_decode_attention(query.bfloat16(), *args)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_decode_attention(heads_view(1, 3, 64, torch.float32), *args)
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        paged_decode_attention(query.transpose(1, 2).contiguous().transpose(1, 2), *args)
+    with pytest.raises(TypeError, match="block_tables must be int32 or int64"):
+        paged_decode_attention(query, ctx.key_cache, ctx.value_cache, ctx.block_tables.float(), ctx.seq_lens, 0.1)
+    ctx = paged_context([5], 2, 48, 16, torch.float32)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        paged_decode_attention(
+            heads_view(1, 4, 48, torch.float32), ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, 0.1
+        )

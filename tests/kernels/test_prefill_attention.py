@@ -1,0 +1,114 @@
+"""Varlen prefill attention (Triton) against `prefill_attention_ref`.
+
+A request is (cached, new): `cached` tokens of context already in the paged cache (an
+earlier chunk or a prefix-cache hit), then `new` query tokens whose K/V were just written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.kernels.prefill_attention import PrefillTiles, prefill_attention
+from baton.kernels.reference import prefill_attention_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+# Beyond the main sweep: the tiny test models' head_dim, MQA, head_dim 256, and block sizes
+# from 1 to 256 (from 32 up, the 32-key tiles used here no longer span blocks).
+OTHER_SHAPES = [
+    (16, 2, 2, 16),
+    (32, 8, 1, 8),
+    (256, 2, 2, 16),
+    (64, 4, 2, 1),
+    (64, 4, 2, 64),
+    (64, 4, 2, 128),
+    (128, 16, 1, 256),
+]
+OTHER_SHAPE_IDS = [f"d{d}-gqa{g}-kv{h}-block{b}" for d, g, h, b in OTHER_SHAPES]
+# Full prefills of 1 and 17 tokens, a chunk after 40 cached tokens, a 2-token prefix-cache
+# tail, a request with no queries this step, and a chunk spanning two 32-query tiles.
+REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
+
+
+def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype, **kw):
+    seq_lens = [cached + new for cached, new in requests]
+    num_queries = torch.tensor([new for _, new in requests])
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(num_queries, 0)
+    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = heads_view(int(num_queries.sum()), num_kv_heads * group, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = prefill_attention(
+        query,
+        ctx.key_cache,
+        ctx.value_cache,
+        ctx.block_tables,
+        query_start_loc.to(query.device),
+        ctx.seq_lens,
+        scale,
+        int(num_queries.max()),
+        **kw,
+    )
+    key_cache, value_cache, block_tables, seq_lens_cpu = ctx.reference_inputs()
+    expected = prefill_attention_ref(
+        query.cpu().float(), key_cache, value_cache, block_tables, query_start_loc, seq_lens_cpu, scale
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    check(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+    # 32x32 tiles keep the interpreter fast and give several query and key tiles per request;
+    # with 16-token blocks a key tile spans two blocks, with 32 it sits in one.
+    run_and_check(
+        paged_context, heads_view, check, REQUESTS, 2, group, head_dim, block_size, dtype, tiles=PrefillTiles(32, 32)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_default_tiles(paged_context, heads_view, check, head_dim, dtype):
+    """The tiles a GPU runs with, over a chunk longer than one query tile."""
+    requests = [(0, 150), (100, 30), (3, 1)]
+    run_and_check(paged_context, heads_view, check, requests, 2, 4, head_dim, 16, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim, group, num_kv_heads, block_size", OTHER_SHAPES, ids=OTHER_SHAPE_IDS)
+def test_other_shapes(paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype):
+    requests = [(0, 1), (0, 20), (50, 14)]
+    run_and_check(
+        paged_context,
+        heads_view,
+        check,
+        requests,
+        num_kv_heads,
+        group,
+        head_dim,
+        block_size,
+        dtype,
+        tiles=PrefillTiles(16, 32),
+    )
+
+
+def test_float16(paged_context, heads_view, check):
+    run_and_check(paged_context, heads_view, check, REQUESTS, 2, 4, 64, 16, torch.float16, tiles=PrefillTiles(32, 32))
+
+
+def test_launcher_rejects_bad_inputs(paged_context, heads_view, device):
+    ctx = paged_context([5], 2, 64, 16, torch.float32)
+    query = heads_view(5, 4, 64, torch.float32)
+    query_start_loc = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, query_start_loc, ctx.seq_lens, 0.125, 5)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        PrefillTiles(block_m=8)
+    with pytest.raises(ValueError, match="different devices"):
+        prefill_attention(query, *args[:3], query_start_loc.cpu().to("meta"), *args[4:])
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(query, *args[:3], query_start_loc[:1], *args[4:])
+    with pytest.raises(TypeError, match="value_cache must have dtype"):
+        prefill_attention(query, ctx.key_cache, ctx.value_cache.bfloat16(), *args[2:])
