@@ -1,0 +1,45 @@
+"""Where the index lives in Redis. Every key starts with one namespace per model:
+
+    {prefix}:{<model>}                      the braces are a Redis Cluster hash tag: one model's
+                                            keys share a slot, so each Lua script runs on one shard
+    ns:workers          HASH  worker id -> WorkerInfo JSON (the registry)
+    ns:names            HASH  worker name -> current epoch (a new epoch wipes the old one)
+    ns:role:<role>      SET   ids of workers that take prefill / decode requests
+    ns:w:<id>:state     HASH  load: "<reported_at_ms>,<WorkerLoad>"; requests, tokens, until:
+                               placements since that report (counted until `until` ms).
+                               It expires after the heartbeat TTL: its presence is the heartbeat
+    ns:w:<id>:blocks    ZSET  16-byte block hash -> +inf when the worker's events stored it,
+                               or an expiry ms for a router's speculative entry
+    ns:w:<id>:seq       STRING next KV-event sequence number the index expects from it
+    ns:w:<id>:snapshot  ZSET  a snapshot being uploaded, renamed onto :blocks when complete
+
+The Lua scripts (lua_scripts.py) build the same names from the namespace; this class is
+their Python twin, for the snapshot upload and for tests.
+"""
+
+from __future__ import annotations
+
+from .config import check_key_part
+
+WORKER_KEY_PARTS = ("state", "blocks", "seq", "snapshot")
+
+
+class Keyspace:
+    def __init__(self, key_prefix: str, model: str) -> None:
+        self.namespace = f"{check_key_part('key_prefix', key_prefix)}:{{{check_key_part('model', model)}}}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.namespace}:workers"
+
+    @property
+    def names(self) -> str:
+        return f"{self.namespace}:names"
+
+    def role(self, role: str) -> str:
+        return f"{self.namespace}:role:{role}"
+
+    def worker(self, worker_id: str, part: str) -> str:
+        if part not in WORKER_KEY_PARTS:
+            raise ValueError(f"unknown worker key part {part!r}; one of {WORKER_KEY_PARTS}")
+        return f"{self.namespace}:w:{worker_id}:{part}"

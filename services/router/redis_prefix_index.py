@@ -1,0 +1,174 @@
+"""The prefix index in Redis, shared by every router and worker of one model.
+
+Each method is one round trip: a Lua script (lua_scripts.py) for anything that reads and
+writes, a pipeline for a snapshot upload. The key layout is in keys.py. Redis errors
+(`redis.RedisError`) reach the caller, which decides what unavailability means: the
+router routes by load, the worker agent retries and then republishes a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import redis
+
+from ..engine.block_hash import BlockHash
+from ..engine.kv_events import BlockRemoved, BlockStored, KVCacheSnapshot, KVEvent
+from . import lua_scripts
+from .config import IndexConfig, WorkerConfig
+from .keys import Keyspace
+from .prefix_index import (
+    ApplyResult,
+    ApplyStatus,
+    Clock,
+    HeartbeatResult,
+    PrefixIndex,
+    WorkerView,
+    check_role,
+)
+from .script_channel import ScriptChannel
+from .worker_info import WorkerInfo, WorkerLoad
+
+_SNAPSHOT_CHUNK = WorkerConfig.model_fields["snapshot_chunk_size"].default
+
+
+class RedisPrefixIndex(PrefixIndex):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keyspace,
+        config: IndexConfig | None = None,
+        clock: Clock | None = None,
+        snapshot_chunk_size: int = _SNAPSHOT_CHUNK,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.config = config or IndexConfig()
+        self._clock = clock
+        self._snapshot_chunk_size = snapshot_chunk_size
+        self._loads: dict[str, WorkerLoad] = {}
+        self._spec_ttl_ms = int(self.config.speculative_ttl_s * 1000)
+        self._pending_ttl_ms = int(self.config.pending_ttl_s * 1000)
+        register = client.register_script
+        self._heartbeat = register(lua_scripts.HEARTBEAT)
+        self._deregister = register(lua_scripts.DEREGISTER)
+        self._apply_events = register(lua_scripts.APPLY_EVENTS)
+        self._commit_snapshot = register(lua_scripts.COMMIT_SNAPSHOT)
+        self._collect_garbage = register(lua_scripts.COLLECT_GARBAGE)
+        # The routing path: the query waits for its reply, the placement write does not.
+        self._channel = ScriptChannel(client, [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT])
+
+    # -- worker side ------------------------------------------------------------------
+
+    def heartbeat(self, info: WorkerInfo, load: WorkerLoad, ttl_s: float) -> HeartbeatResult:
+        args = [
+            self.keys.namespace,
+            info.worker_id,
+            info.name,
+            info.epoch,
+            info.to_json(),
+            " ".join(info.role.index_roles),
+            load.encode(),
+            max(1, int(ttl_s * 1000)),
+            self._now_ms(),
+        ]
+        return HeartbeatResult(self._heartbeat(args=args))
+
+    def deregister(self, worker_id: str) -> None:
+        self._deregister(args=[self.keys.namespace, worker_id])
+
+    def apply_events(self, worker_id: str, events: Sequence[KVEvent]) -> ApplyResult:
+        status, next_seq = self._apply_events(args=[self.keys.namespace, worker_id, *encode_events(events)])
+        return ApplyResult(ApplyStatus(status.decode()), next_seq)
+
+    def replace_blocks(self, worker_id: str, snapshot: KVCacheSnapshot) -> bool:
+        """Uploads into a side key and renames it over the worker's set, all in one pipeline."""
+        tmp = self.keys.worker(worker_id, "snapshot")
+        hashes = list(snapshot.block_hashes)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.unlink(tmp)
+        for begin in range(0, len(hashes), self._snapshot_chunk_size):
+            pipe.zadd(tmp, dict.fromkeys(hashes[begin : begin + self._snapshot_chunk_size], "inf"))
+        self._commit_snapshot(args=[self.keys.namespace, worker_id, snapshot.next_seq, len(hashes)], client=pipe)
+        result = pipe.execute()[-1]
+        if result == -2:
+            raise redis.RedisError(f"snapshot upload for {worker_id} arrived incomplete")
+        return result == 1
+
+    # -- router side ------------------------------------------------------------------
+
+    def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
+        args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes)]
+        reply = self._channel.call(lua_scripts.QUERY, args)
+        views = []
+        for row in reply.decode().splitlines():
+            worker_id, load, num_cached, num_pending, pending_tokens = row.split(" ")
+            reported_at, _, fields = load.partition(",")
+            views.append(
+                WorkerView(
+                    worker_id,
+                    self._decode_load(fields),
+                    int(reported_at),
+                    int(num_cached),
+                    int(num_pending),
+                    int(pending_tokens),
+                )
+            )
+        views.sort(key=lambda view: view.worker_id)  # SMEMBERS order differs between servers
+        return views
+
+    def record_placement(self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int) -> None:
+        args = [
+            self.keys.namespace,
+            worker_id,
+            num_new_tokens,
+            self._spec_ttl_ms,
+            self._pending_ttl_ms,
+            self._now_ms(),
+            b"".join(block_hashes),
+        ]
+        self._channel.send(lua_scripts.RECORD_PLACEMENT, args)
+
+    def flush(self) -> None:
+        """Waits until Redis has applied every placement write (they are sent without waiting)."""
+        self._channel.flush()
+
+    def worker_infos(self, worker_ids: Iterable[str]) -> dict[str, WorkerInfo]:
+        worker_ids = list(worker_ids)
+        if not worker_ids:
+            return {}
+        entries = self.client.hmget(self.keys.workers, worker_ids)
+        return {w: WorkerInfo.from_json(e) for w, e in zip(worker_ids, entries) if e is not None}
+
+    def collect_garbage(self) -> int:
+        return self._collect_garbage(args=[self.keys.namespace])
+
+    def cached_blocks(self, worker_id: str) -> set[BlockHash]:
+        return set(self.client.zrange(self.keys.worker(worker_id, "blocks"), "+inf", "+inf", byscore=True))
+
+    # -- internals --------------------------------------------------------------------
+
+    def _decode_load(self, text: str) -> WorkerLoad:
+        """Loads change a few times a second and repeat across queries: decode each text once."""
+        load = self._loads.get(text)
+        if load is None:
+            if len(self._loads) > 4096:
+                self._loads.clear()
+            load = self._loads[text] = WorkerLoad.decode(text)
+        return load
+
+    def _now_ms(self) -> int:
+        return -1 if self._clock is None else self._clock()
+
+
+def encode_events(events: Sequence[KVEvent]) -> list[bytes | str | int]:
+    """Flattens events into script arguments: kind, seq, packed hashes."""
+    args: list[bytes | str | int] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            args += ["S", event.seq, b"".join(event.block_hashes)]
+        elif isinstance(event, BlockRemoved):
+            args += ["R", event.seq, b"".join(event.block_hashes)]
+        else:
+            args += ["C", event.seq, b""]
+    return args

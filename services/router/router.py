@@ -1,0 +1,243 @@
+"""The gateway's router: hash the prompt, query the index once, rank, record the choice.
+
+    placement = router.route_prefill(request_id, prompt_token_ids, cache_salt)
+    placement.worker_ids        ranked worker ids, best first (router.worker_info(id).address
+                                is how the serving layer reaches each one)
+    placement.reason            prefix | load | imbalance | fallback | no_workers
+
+A decision is one index query (every alive worker's load and cached prefix, one Redis
+round trip), the policy's ranking, then one write that records speculative entries and
+pending load for the chosen worker, so the next request of a burst sees them; the write
+is sent without waiting for its reply (script_channel.py). A router holds no routing
+state of its own while Redis is up: replicas reading the same Redis decide the same.
+Calls are synchronous and take about a Redis round trip.
+
+Redis unavailable: the decision falls back to load-only ranking over the workers of the
+last successful query (their last loads, plus what this router placed since), logs once
+and shows in `metrics()`. Redis is tried again every `redis.retry_interval_s`; the first
+success ends the fallback, and prefix routing resumes as workers republish snapshots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import redis
+
+from ..engine.block_hash import BlockHash
+from .availability import Availability
+from .config import RouterConfig
+from .keys import Keyspace
+from .policy import (
+    LoadPolicy,
+    Placement,
+    PlacementReason,
+    PrefixAwarePolicy,
+    RankedWorker,
+    RoutingPolicy,
+    RoutingRequest,
+)
+from .prefix_index import PrefixIndex, WorkerView
+from .prompt_hasher import PromptHasher
+from .redis_client import create_redis_client
+from .redis_prefix_index import RedisPrefixIndex
+from .worker_info import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class RouterCounters:
+    decisions: Counter = dataclasses.field(default_factory=Counter)  # (role, reason) -> count
+    num_redis_errors: int = 0
+    num_workers_collected: int = 0
+    num_workers_skipped: int = 0  # registered with another block size than this router's
+    num_prompt_blocks: int = 0  # full blocks of routed prefill prompts
+    num_cached_blocks: int = 0  # of which the chosen worker held (as the index saw it)
+
+
+class PrefixRouter:
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: PrefixIndex,
+        prefill_policy: RoutingPolicy | None = None,
+        decode_policy: RoutingPolicy | None = None,
+        hasher: PromptHasher | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.prefill_policy = prefill_policy or PrefixAwarePolicy(config.policy)
+        self.decode_policy = decode_policy or LoadPolicy()
+        self.hasher = hasher or PromptHasher(config.block_size)
+        if self.hasher.block_size != config.block_size:
+            raise ValueError(f"the hasher's block_size {self.hasher.block_size} is not {config.block_size}")
+        self.availability = Availability("router", config.redis.retry_interval_s, clock)
+        self.counters = RouterCounters()
+        self._clock = clock
+        self._infos: dict[str, WorkerInfo] = {}  # immutable per worker id (the id carries the epoch)
+        self._last_views: dict[str, list[WorkerView]] = {}  # per role, from the last successful query
+        self._outage_requests: Counter = Counter()  # placed per worker while Redis was unavailable
+        self._outage_tokens: Counter = Counter()
+        self._next_gc = clock() + config.index.gc_interval_s
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, tokenizer=None) -> PrefixRouter:
+        client = create_redis_client(config.redis)
+        index = RedisPrefixIndex(client, Keyspace(config.redis.key_prefix, config.model), config.index)
+        return cls(config, index, hasher=PromptHasher(config.block_size, tokenizer))
+
+    # -- the API ----------------------------------------------------------------------
+
+    def route_prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> Placement:
+        """Hashes the prompt's full blocks with the engine's function, then places it."""
+        block_hashes = self.hasher.block_hashes(prompt_token_ids, cache_salt)
+        return self.route_prefill_hashes(request_id, len(prompt_token_ids), block_hashes)
+
+    def route_prefill_hashes(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+    ) -> Placement:
+        """For a caller that hashed the prompt already (PromptHasher.block_hashes)."""
+        if len(block_hashes) != num_prompt_tokens // self.config.block_size:
+            raise ValueError(
+                f"{len(block_hashes)} block hashes do not match {num_prompt_tokens} prompt tokens "
+                f"at block_size {self.config.block_size}"
+            )
+        request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
+        placement = self._route("prefill", self.prefill_policy, request, block_hashes)
+        if placement.best is not None:
+            self.counters.num_prompt_blocks += len(block_hashes)
+            self.counters.num_cached_blocks += placement.best.num_cached_blocks
+        return placement
+
+    def route_decode(self, request_id: str, num_prompt_tokens: int) -> Placement:
+        request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
+        return self._route("decode", self.decode_policy, request, ())
+
+    def worker_info(self, worker_id: str) -> WorkerInfo | None:
+        return self._infos.get(worker_id)
+
+    def collect_garbage(self) -> int:
+        """Deletes dead workers' entries (also done every index.gc_interval_s while routing)."""
+        num = self.index.collect_garbage()
+        self.counters.num_workers_collected += num
+        return num
+
+    def metrics(self) -> dict[str, int]:
+        counters = self.counters
+        metrics = {
+            "redis_available": int(self.availability.is_available),
+            "redis_errors": counters.num_redis_errors,
+            "workers_collected": counters.num_workers_collected,
+            "workers_skipped": counters.num_workers_skipped,
+            "prompt_blocks": counters.num_prompt_blocks,
+            "cached_blocks": counters.num_cached_blocks,
+        }
+        for (role, reason), num in sorted(counters.decisions.items()):
+            metrics[f"decisions_{role}_{reason}"] = num
+        return metrics
+
+    # -- internals --------------------------------------------------------------------
+
+    def _route(
+        self, role: str, policy: RoutingPolicy, request: RoutingRequest, block_hashes: Sequence[BlockHash]
+    ) -> Placement:
+        views = self._query(role, block_hashes)
+        if views is None:
+            placement = self._fallback(role, policy, request)
+        else:
+            placement = policy.rank(request, views)
+            if placement.best is not None:
+                self._record(placement.best, block_hashes)
+        self.counters.decisions[role, placement.reason.value] += 1
+        self._maybe_collect_garbage()
+        return placement
+
+    def _query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView] | None:
+        if not self.availability.should_try():
+            return None
+        try:
+            views = self._usable(self.index.query(role, block_hashes))
+        except redis.RedisError as e:
+            self._on_redis_error(e)
+            return None
+        if self.availability.record_success():
+            self._outage_requests.clear()
+            self._outage_tokens.clear()
+        self._last_views[role] = views
+        return views
+
+    def _fallback(self, role: str, policy: RoutingPolicy, request: RoutingRequest) -> Placement:
+        """Load-only ranking over the last known workers, counting this router's own placements since."""
+        views = [
+            dataclasses.replace(
+                view,
+                num_cached_blocks=0,
+                num_pending_requests=view.num_pending_requests + self._outage_requests[view.worker_id],
+                num_pending_tokens=view.num_pending_tokens + self._outage_tokens[view.worker_id],
+            )
+            for view in self._last_views.get(role, [])
+        ]
+        placement = policy.rank(request, views)
+        if placement.best is None:
+            return placement
+        self._outage_requests[placement.best.worker_id] += 1
+        self._outage_tokens[placement.best.worker_id] += placement.best.num_new_tokens
+        return Placement(placement.ranked, PlacementReason.FALLBACK)
+
+    def _record(self, best: RankedWorker, block_hashes: Sequence[BlockHash]) -> None:
+        """Speculative entries for the blocks the worker does not hold yet, and pending load."""
+        predicted = block_hashes[best.num_cached_blocks :]
+        try:
+            self.index.record_placement(best.worker_id, predicted, best.num_new_tokens)
+        except redis.RedisError as e:
+            self._on_redis_error(e)  # the decision stands; only the next one loses its hint
+
+    def _usable(self, views: list[WorkerView]) -> list[WorkerView]:
+        """Drops workers without a registry entry or with another block size (logged once each)."""
+        unknown = [v.worker_id for v in views if v.worker_id not in self._infos]
+        if unknown:
+            self._infos.update(self.index.worker_infos(unknown))
+            self._forget_departed(views)
+        usable = []
+        for view in views:
+            info = self._infos.get(view.worker_id)
+            if info is None:
+                continue
+            if info.block_size != self.config.block_size:
+                if view.worker_id in unknown:
+                    self.counters.num_workers_skipped += 1
+                    logger.warning(
+                        "router: skipping worker %s: its block_size %d is not the router's %d",
+                        view.worker_id,
+                        info.block_size,
+                        self.config.block_size,
+                    )
+                continue
+            usable.append(view)
+        return usable
+
+    def _forget_departed(self, views: list[WorkerView]) -> None:
+        if len(self._infos) > 2 * len(views) + 64:
+            alive = {v.worker_id for views_of_role in [views, *self._last_views.values()] for v in views_of_role}
+            self._infos = {w: info for w, info in self._infos.items() if w in alive}
+
+    def _maybe_collect_garbage(self) -> None:
+        if self._clock() < self._next_gc or not self.availability.is_available:
+            return
+        self._next_gc = self._clock() + self.config.index.gc_interval_s
+        try:
+            self.collect_garbage()
+        except redis.RedisError as e:
+            self._on_redis_error(e)
+
+    def _on_redis_error(self, error: redis.RedisError) -> None:
+        self.counters.num_redis_errors += 1
+        self.availability.record_failure(error)

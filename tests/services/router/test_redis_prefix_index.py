@@ -1,0 +1,142 @@
+"""Redis specifics: big snapshots and prompts, one slot per model, and agreement with the model."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from baton.services.engine.block_hash import hash_request_tokens
+from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
+from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from testlib.router_setup import make_config, make_index, make_info
+
+TTL_S = 60.0  # liveness is not under test here; Redis would expire it in real time
+
+
+def test_snapshots_and_prompts_larger_than_one_command_chunk(redis_server):
+    index = make_index(make_config(redis_server), snapshot_chunk_size=3_000)
+    info = make_info("a")
+    index.heartbeat(info, WorkerLoad(), TTL_S)
+    hashes = hash_request_tokens(list(range(4 * 9_000)), 4)  # 9000 blocks: beyond Lua's unpack limit
+    assert index.replace_blocks(info.worker_id, KVCacheSnapshot(7, frozenset(hashes)))
+    assert index.cached_blocks(info.worker_id) == set(hashes)
+    assert index.query("prefill", hashes)[0].num_cached_blocks == 9_000
+    index.record_placement(info.worker_id, hashes, 0)
+    assert index.apply_events(info.worker_id, [BlockRemoved(7, tuple(hashes[5_000:]))]).next_seq == 8
+    assert index.query("prefill", hashes)[0].num_cached_blocks == 5_000  # removal drops predictions too
+    index.replace_blocks(info.worker_id, KVCacheSnapshot(9, frozenset()))
+    assert index.cached_blocks(info.worker_id) == set()
+
+
+def test_every_key_of_a_model_carries_its_hash_tag(redis_server):
+    index = make_index(make_config(redis_server))
+    info = make_info("a")
+    index.heartbeat(info, WorkerLoad(), TTL_S)
+    hashes = hash_request_tokens(list(range(16)), 4)
+    index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset(hashes[:2])))
+    index.record_placement(info.worker_id, hashes, 8)
+    index.flush()  # placement writes are sent without waiting; KEYS runs on another connection
+    keys = {k.decode() for k in index.client.keys("*")}
+    assert len(keys) >= 6 and all(k.startswith("baton:{tiny}:") for k in keys)
+
+
+def test_the_server_clock_judges_expiry_when_no_clock_is_injected(redis_server):
+    config = make_config(redis_server).model_copy(update={"index": IndexConfig(speculative_ttl_s=0.2)})
+    index = make_index(config)  # clock=None: Redis TIME
+    info = make_info("a")
+    index.heartbeat(info, WorkerLoad(), TTL_S)
+    index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset()))
+    hashes = hash_request_tokens(list(range(16)), 4)
+    index.record_placement(info.worker_id, hashes, 16)
+    assert index.query("prefill", hashes)[0].num_cached_blocks == 4
+    time.sleep(0.25)
+    assert index.query("prefill", hashes)[0].num_cached_blocks == 0
+    index.record_placement(info.worker_id, hashes[:1], 4)  # a later placement prunes expired entries
+    index.flush()
+    assert index.client.zcard(index.keys.worker(info.worker_id, "blocks")) == 1
+
+
+# -- property: Redis and the in-memory model agree on any event stream -----------------
+
+BLOCKS = hash_request_tokens(list(range(4 * 12)), 4)  # one chain of 12 blocks
+WORKERS = ("a", "b")
+block_lists = st.lists(st.integers(0, len(BLOCKS) - 1), min_size=1, max_size=5, unique=True)
+worker = st.sampled_from(WORKERS)
+operations = st.one_of(
+    st.tuples(st.just("stored"), worker, block_lists),
+    st.tuples(st.just("removed"), worker, block_lists),
+    st.tuples(st.just("cleared"), worker),
+    st.tuples(st.just("lose_event"), worker),  # the next sequence number is never delivered
+    st.tuples(st.just("replay"), worker),  # the last batch is delivered again
+    st.tuples(st.just("snapshot"), worker, st.frozensets(st.integers(0, len(BLOCKS) - 1), max_size=8)),
+    st.tuples(st.just("place"), worker, st.integers(0, len(BLOCKS)), st.integers(0, 64)),
+    st.tuples(st.just("heartbeat"), worker, st.integers(0, 5)),
+    st.tuples(st.just("advance"), st.integers(0, 2_000)),
+)
+
+
+def make_event(kind: str, seq: int, blocks: tuple[bytes, ...]):
+    if kind == "stored":
+        return BlockStored(seq, blocks, None, 4 * len(blocks))
+    return BlockRemoved(seq, blocks) if kind == "removed" else AllBlocksCleared(seq)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = 1_000_000
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@settings(
+    max_examples=int(os.environ.get("BATON_PROPERTY_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(operations, max_size=40))
+def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
+    with shared_redis.client() as client:
+        client.flushall()
+    clock = Clock()
+    redis_index = make_index(make_config(shared_redis), clock=clock)
+    model = InMemoryPrefixIndex(redis_index.config, clock=clock)
+    infos = {name: make_info(name, epoch=f"{i + 1:024x}") for i, name in enumerate(WORKERS)}
+    next_seq = dict.fromkeys(WORKERS, 0)
+    last_batch: dict[str, list] = {name: [] for name in WORKERS}
+    for index in (redis_index, model):
+        for info in infos.values():
+            index.heartbeat(info, WorkerLoad(), TTL_S)
+            index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset()))
+
+    def both(method, *args):
+        results = [getattr(index, method)(*args) for index in (redis_index, model)]
+        assert results[0] == results[1], (method, args)
+        return results[0]
+
+    for op in ops:
+        kind, name = op[0], op[1] if op[0] != "advance" else None
+        worker_id = infos[name].worker_id if name else None
+        if kind in ("stored", "removed", "cleared"):
+            event = make_event(kind, next_seq[name], tuple(BLOCKS[i] for i in op[2]) if kind != "cleared" else ())
+            next_seq[name] += 1
+            last_batch[name] = [event]
+            both("apply_events", worker_id, [event])
+        elif kind == "lose_event":
+            next_seq[name] += 1
+        elif kind == "replay":
+            both("apply_events", worker_id, last_batch[name])
+        elif kind == "snapshot":
+            both("replace_blocks", worker_id, KVCacheSnapshot(next_seq[name], frozenset(BLOCKS[i] for i in op[2])))
+        elif kind == "place":
+            both("record_placement", worker_id, BLOCKS[: op[2]], op[3])
+        elif kind == "heartbeat":
+            both("heartbeat", infos[name], WorkerLoad(op[2], 0, 0, 0, 0), TTL_S)
+        else:
+            clock.now_ms += op[1]
+        for name in WORKERS:
+            both("cached_blocks", infos[name].worker_id)
+        for length in (0, 3, len(BLOCKS)):
+            both("query", "prefill", BLOCKS[:length])
