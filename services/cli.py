@@ -1,4 +1,9 @@
-"""`baton` command line: make-tiny-model (and, as they land, serve, generate, bench)."""
+"""The `baton` command line.
+
+baton serve [--config configs/local.yaml] [--model DIR]   run the service locally
+baton generate "prompt" [--max-tokens N ...]              stream a completion over gRPC
+baton make-tiny-model DIR [--arch llama|qwen3]            write a small random model
+"""
 
 from __future__ import annotations
 
@@ -17,9 +22,41 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .app.launcher import serve_forever
+
+    return serve_forever(args.config, args.model)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .client import generate_to_terminal
+
+    return generate_to_terminal(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start Ray, Redis and the Baton application on this machine")
+    serve.add_argument("--config", default=None, help="YAML config (default: configs/local.yaml)")
+    serve.add_argument("--model", default=None, help="model folder (default: the config's, else a tiny random model)")
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running Baton over gRPC")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:9000", help="gRPC address (host:port)")
+    gen.add_argument("--application", default="baton", help="Serve application name")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    gen.set_defaults(func=_generate)
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random model with a trained tokenizer")
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--arch", choices=["llama", "qwen3"], default="llama")

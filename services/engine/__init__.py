@@ -1,19 +1,39 @@
 """Baton's serving engine: a plain library, usable without Ray or Redis.
 
-from baton.services.engine import LLM, SamplingParams
-llm = LLM(model="path/to/hf-folder")
-outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    from baton.services.engine import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-folder")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Names are imported on first use, so light modules (block_hash, kv_events, tokenizer,
+sampling_params) can be imported without pulling in torch and the model code.
 """
 
-from .async_llm import AsyncLLM
-from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
-from .engine_core import EngineCore, EngineStats
-from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
-from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
+from __future__ import annotations
 
-__all__ = [
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": ".llm",
+    "AsyncLLM": ".async_llm",
+    "EngineCore": ".engine_core",
+    "EngineStats": ".engine_core",
+    "EngineConfig": ".config",
+    "ModelConfig": ".config",
+    "CacheConfig": ".config",
+    "SchedulerConfig": ".config",
+    "ParallelConfig": ".config",
+    "RunnerConfig": ".config",
+    "SamplingParams": ".sampling_params",
+    "RequestOutputKind": ".sampling_params",
+    "RequestOutput": ".outputs",
+    "CompletionOutput": ".outputs",
+    "Logprob": ".outputs",
+    "InvalidRequestError": ".errors",
+    "EngineDeadError": ".errors",
+    "ModelLoadError": ".errors",
+}
+__all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "LLM",
     "AsyncLLM",
     "EngineCore",
@@ -33,3 +53,22 @@ __all__ = [
     "EngineDeadError",
     "ModelLoadError",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .async_llm import AsyncLLM
+    from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+    from .engine_core import EngineCore, EngineStats
+    from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
+    from .llm import LLM
+    from .outputs import CompletionOutput, Logprob, RequestOutput
+    from .sampling_params import RequestOutputKind, SamplingParams

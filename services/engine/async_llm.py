@@ -31,6 +31,7 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_TICK_S = 0.25
+_POLL_TICK_S = 0.002
 
 
 class RequestStream:
@@ -115,10 +116,12 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        **handover,
     ) -> RequestStream:
-        """Validates now (raising InvalidRequestError) and returns the request's output stream."""
+        """Validates now (raising InvalidRequestError) and returns the request's output stream.
+        `handover`: disaggregation arguments of `InputProcessor.prepare` (kv_lease, ...)."""
         self._check_alive()
-        prepared = self.engine.prepare(request_id, prompt, params, cache_salt)
+        prepared = self.engine.prepare(request_id, prompt, params, cache_salt, **handover)
         stream = RequestStream(request_id, self)
         with self._streams_lock:
             if request_id in self._streams:
@@ -141,6 +144,16 @@ class AsyncLLM:
                 yield output
         finally:
             await stream.aclose()
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests added and not yet finished (running or queued)."""
+        with self._streams_lock:
+            return len(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        with self._streams_lock:
+            return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
         self._send(lambda: self.engine.abort_request(request_id))
@@ -200,12 +213,15 @@ class AsyncLLM:
             while not self._stopping:
                 while self._commands:
                     self._commands.popleft()()
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests() and not self.engine.needs_polling():
                     self.engine.publish_kv_events()  # an idle engine still answers snapshot requests
                     self._wakeup.wait(timeout=_IDLE_TICK_S)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
+                if self.engine.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
+                    self._wakeup.wait(timeout=_POLL_TICK_S)
+                    self._wakeup.clear()
                 self._stats = self.engine.stats()
                 with self._streams_lock:
                     for output in outputs:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..kv_transfer.config import KVTransferConfig
+
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -93,6 +95,7 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     runner: RunnerConfig = RunnerConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -112,5 +115,6 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "runner": RunnerConfig,
+    "kv_transfer": KVTransferConfig,
 }
 _FIELD_TO_SECTION = {field: section for section, model in _SECTIONS.items() for field in model.model_fields}

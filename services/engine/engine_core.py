@@ -18,12 +18,15 @@ import random
 import time
 from dataclasses import dataclass
 
+from ..kv_transfer.types import KVTransferParams
 from ..model.config import ModelArch, load_model_arch
 from .beam_search import Beam, BeamSearchGroup, beam_member_params
 from .block_hash import request_extra_keys
 from .config import EngineConfig
+from .engine_setup import check_engine_config, create_executor, resolve_max_model_len
 from .errors import InvalidRequestError
-from .executor import Executor, UniProcExecutor
+from .executor import Executor
+from .input_processor import InputProcessor, PreparedRequest
 from .kv_events import KVEventPublisher, NullKVEventPublisher
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -46,20 +49,6 @@ class _Member:
 
 
 @dataclass(slots=True)
-class PreparedRequest:
-    """A tokenized, validated request, ready to be queued."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved against the context limit
-    seed: int | None
-    cache_salt: str | None
-    arrival_time: float
-
-
-@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -69,6 +58,13 @@ class EngineStats:
     kv_cache_usage: float
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which were found
+    num_kv_leases: int = 0  # prefill side: prompts held for decode workers
+    num_kv_receiving: int = 0  # decode side: prompts whose K/V is in flight
+    kv_recv_ok: int = 0
+    kv_recv_failed: int = 0  # each one recomputed locally
+    kv_leases_expired: int = 0
+    kv_bytes_received: int = 0
+    kv_recv_seconds: float = 0.0
 
 
 class EngineCore:
@@ -82,8 +78,11 @@ class EngineCore:
         self.executor = executor or create_executor(config, self.arch)
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.max_model_len = resolve_max_model_len(config, self.arch, self.num_kv_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len, config.kv_transfer.lease_s
+        )
         self.publisher = kv_event_publisher or NullKVEventPublisher()
+        self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = self.arch.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -93,6 +92,8 @@ class EngineCore:
         self._user_requests: dict[str, list[str]] = {}  # user id -> its live engine request ids
         self._beam_groups: dict[str, BeamSearchGroup] = {}
         self._rng = random.Random(config.model.seed)
+        self.worker_id = ""  # set by the serving layer; named in KV transfer params
+        self.last_step_num_tokens = 0
 
     # -- requests ---------------------------------------------------------------------
 
@@ -114,21 +115,10 @@ class EngineCore:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        **handover,
     ) -> PreparedRequest:
-        """Tokenizes and validates, touching no engine state (safe from any thread)."""
-        params = params or SamplingParams()
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
-        return PreparedRequest(
-            request_id=request_id,
-            prompt=prompt_text,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids)),
-            seed=params.seed,
-            cache_salt=cache_salt,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        )
+        """Tokenizes and validates without touching engine state (see InputProcessor.prepare)."""
+        return self.inputs.prepare(request_id, prompt, params, cache_salt, arrival_time, **handover)
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queues a prepared request (on the thread that runs `step`)."""
@@ -158,14 +148,20 @@ class EngineCore:
             )
 
         num_samples = params.beam_width if params.use_beam_search else params.n
-        self.outputs.add_request(request_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples)
+        self.outputs.add_request(
+            request_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples, prepared.output_prefix
+        )
         self._user_requests[request_id] = []
         if params.use_beam_search:
             first = make(f"{request_id}/beam0", prompt_ids, beam_member_params(params), seed)
             self._beam_groups[request_id] = BeamSearchGroup(request_id, params, self.eos_token_ids, [Beam(first, 0.0)])
             self._submit(first, _Member(request_id, 0, "beam"))
         elif params.n == 1:
-            self._submit(make(request_id, prompt_ids, params, seed), _Member(request_id, 0, "sample"))
+            request = make(request_id, prompt_ids, params, seed)
+            request.kv_lease, request.remote_kv = prepared.kv_lease, prepared.remote_kv
+            for token_id in prepared.output_prefix:
+                request.append_output_token(token_id)
+            self._submit(request, _Member(request_id, 0, "sample"))
         elif len(prompt_ids) == 1:
             for i in range(params.n):
                 child = make(f"{request_id}/{i}", prompt_ids, params, _child_seed(seed, i))
@@ -189,13 +185,26 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._user_requests) or bool(self.outputs.states)
 
+    def needs_polling(self) -> bool:
+        """KV transfers in flight or leases held: steps must keep running to see them end."""
+        return self.scheduler.handover.is_active
+
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.block_copies:
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        if (
+            not scheduler_output.is_empty
+            or scheduler_output.finished_req_ids
+            or scheduler_output.block_copies
+            or scheduler_output.has_kv_work
+            or self.scheduler.handover.is_active
+        ):
             runner_output = self.executor.execute_model(scheduler_output)
             self._update(scheduler_output, runner_output)
+            if runner_output.kv_transfer:
+                self.scheduler.update_kv_transfer(runner_output.kv_transfer)
         self._fork_completed_prefixes()
         self.publish_kv_events()
         return self.outputs.take_outputs()
@@ -210,6 +219,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
+        handover = self.scheduler.handover
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -219,6 +229,13 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
+            num_kv_leases=len(handover.leases),
+            num_kv_receiving=len(handover.receiving),
+            kv_recv_ok=handover.num_recv_ok,
+            kv_recv_failed=handover.num_recv_failed,
+            kv_leases_expired=handover.num_leases_expired,
+            kv_bytes_received=handover.bytes_received,
+            kv_recv_seconds=handover.recv_seconds,
         )
 
     def check_integrity(self) -> None:
@@ -230,35 +247,17 @@ class EngineCore:
 
     # -- internals --------------------------------------------------------------------
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be integers in [0, {self.arch.vocab_size})")
-        return None, ids
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_ids)} tokens but the context limit is "
-                f"{self.max_model_len} (prompt + at least one generated token)",
-            )
-        params.validate_for_model(self.arch.vocab_size, self.config.model.max_logprobs)
-        if (
-            not self.config.scheduler.enable_chunked_prefill
-            and len(prompt_ids) > self.config.scheduler.max_num_batched_tokens
-        ):
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_ids)} tokens, more than max_num_batched_tokens "
-                f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off",
-            )
+    def _transfer_params(self, request: Request) -> KVTransferParams:
+        """Where a decode worker fetches a leased request's prompt K/V."""
+        return KVTransferParams(
+            transfer_id=request.request_id,
+            source_worker_id=self.worker_id,
+            source_endpoints=self.executor.kv_endpoints,
+            block_ids=tuple(self.scheduler.kv.get_block_ids(request.request_id)),
+            num_tokens=request.num_computed_tokens,
+            block_size=self.config.cache.block_size,
+            tp_size=self.config.parallel.tensor_parallel_size,
+        )
 
     def _submit(self, request: Request, member: _Member) -> None:
         self.scheduler.add_request(request)
@@ -298,6 +297,8 @@ class EngineCore:
                     self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
                 finished = True
             if finished:
+                if request.kv_lease and request.status == RequestStatus.FINISHED_LENGTH:
+                    self.outputs.set_kv_transfer_params(member.user_id, self._transfer_params(request))
                 self.outputs.on_finished(member.user_id, member.index, request)
                 self._release(request_id)
 
@@ -375,48 +376,3 @@ class EngineCore:
 def _child_seed(seed: int, index: int) -> int:
     """Sample i of a seeded n > 1 request uses seed + i (as vLLM does)."""
     return (seed + index) % 2**63
-
-
-def create_executor(config: EngineConfig, arch: ModelArch) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
-        return UniProcExecutor(config, arch)
-    from .tp_executor import RayTPExecutor  # imports Ray only when TP > 1
-
-    return RayTPExecutor(config, arch)
-
-
-def check_engine_config(config: EngineConfig, arch: ModelArch) -> None:
-    """Cross-field checks that need the model's own config."""
-    tp = config.parallel.tensor_parallel_size
-    if arch.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {arch.num_heads} attention heads")
-    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {tp} and the model's {arch.num_kv_heads} KV heads: one must divide the other"
-        )
-    if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {config.model.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({arch.max_position_embeddings})"
-        )
-
-
-def resolve_max_model_len(config: EngineConfig, arch: ModelArch, num_kv_blocks: int) -> int:
-    """The context limit: asked for, else the model's own (capped by a sliding window and by
-    what the KV cache can hold, with a warning)."""
-    capacity = num_kv_blocks * config.cache.block_size
-    if config.model.max_model_len is not None:
-        if config.model.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len {config.model.max_model_len} needs {config.model.max_model_len} KV slots "
-                f"but the cache holds {capacity} ({num_kv_blocks} blocks of {config.cache.block_size}); "
-                "raise the KV budget or lower max_model_len"
-            )
-        return config.model.max_model_len
-    limit = arch.max_position_embeddings
-    if arch.sliding_window:
-        limit = min(limit, arch.sliding_window)
-    if limit > capacity:
-        logger.warning("context limit lowered from %d to %d tokens: that is all the KV cache holds", limit, capacity)
-        limit = capacity
-    return limit

@@ -13,6 +13,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # picklable, so it crosses Ray process boundaries intact
+        return (type(self), (self.field, self.message))
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unrecoverable error; every pending request fails."""

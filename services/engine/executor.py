@@ -17,6 +17,7 @@ from .worker import Worker
 
 class Executor(ABC):
     num_kv_blocks: int  # KV-cache blocks per rank (equal on every rank)
+    kv_endpoints: tuple[str, ...] = ()  # each rank's KV transfer server (with a connector)
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -30,6 +31,14 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, arch)
         self.num_kv_blocks = self.worker.load_model()
         self.worker.initialize_kv_cache(self.num_kv_blocks)
+        endpoint = self.worker.kv_endpoint()
+        self.kv_endpoints = (endpoint,) if endpoint else ()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def set_kv_faults(self, faults) -> None:
+        self.worker.set_kv_faults(faults)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -76,11 +76,13 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_lookahead_tokens: int = 0,
+        cache_new_blocks: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Reserves slots for the next `num_new_tokens` (+ lookahead) tokens of `request`.
 
         Returns the blocks appended to its table, or None if the free blocks do not
-        suffice (nothing is changed then).
+        suffice (nothing is changed then). `cache_new_blocks=False` leaves the blocks out of
+        the prefix cache (their K/V will be written by a transfer, not by this step).
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_hit_tokens = len(new_computed_blocks) * self.block_size
@@ -107,9 +109,13 @@ class KVCacheManager:
 
         # Blocks this step fills are registered now: the forward pass writes every token's
         # K/V before any attention reads it, so a hit taken in this same step is safe.
-        num_tokens_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
-        self._cache_blocks(request, num_tokens_to_cache)
+        if cache_new_blocks:
+            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def cache_computed(self, request: Request) -> None:
+        """Registers every full block of the request's computed tokens (after a KV transfer)."""
+        self._cache_blocks(request, request.num_computed_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives `child` the parent's blocks by reference (copied on write later)."""

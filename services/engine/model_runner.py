@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from baton.kernels.ops import KernelImpl
 
+from ..kv_transfer.connector import KVConnector
 from ..model.attention import AttentionMetadata, PagedAttentionBackend
 from ..model.config import ModelArch
 from ..model.loader import load_weights
@@ -58,8 +59,10 @@ class ModelRunner:
         block_size: int,
         kernel_impl: KernelImpl,
         tp: TPGroup,
+        connector: KVConnector | None = None,
     ) -> None:
         self.arch = arch
+        self.connector = connector
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
@@ -85,6 +88,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)]
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_caches)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -93,18 +98,32 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
+        if self.connector is not None:
+            self._hand_over(scheduler_output)
+        sampled = self._run(scheduler_output) if not scheduler_output.is_empty else {}
+        status = self.connector.poll() if self.connector is not None else None
+        return ModelRunnerOutput(sampled, status)
+
+    def _run(self, scheduler_output: SchedulerOutput) -> dict:
         batch = self._prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
         if not batch.sample_request_ids:
-            return ModelRunnerOutput({})
+            return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if self.tp.rank != 0:
-            return ModelRunnerOutput({})  # rank 0 samples for the group
+            return {}  # rank 0 samples for the group
         rows = [self._sampling_row(self.requests[rid]) for rid in batch.sample_request_ids]
-        sampled = self.sampler(logits, rows)
-        return ModelRunnerOutput(dict(zip(batch.sample_request_ids, sampled)))
+        return dict(zip(batch.sample_request_ids, self.sampler(logits, rows)))
+
+    def _hand_over(self, so: SchedulerOutput) -> None:
+        """Passes the scheduler's transfer decisions to the connector, before the forward pass:
+        ended leases first, so blocks reused by this step are no longer being sent."""
+        if so.kv_leases_removed:
+            self.connector.remove_leases(so.kv_leases_removed)
+        if so.kv_leases_added:
+            self.connector.add_leases(so.kv_leases_added)
+        for task in so.kv_recvs:
+            self.connector.start_recv(task)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_req_ids:
@@ -116,6 +135,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.seed)
+            self._replay_draws(generator, new)
             self.requests[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
@@ -134,6 +154,15 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _replay_draws(self, generator: torch.Generator, new) -> None:
+        """A request that arrives with output tokens sampled elsewhere (the prefill worker drew
+        the first one) advances its generator past those draws, so a seeded request samples
+        the same tokens as it would have in one engine."""
+        num_outputs = len(new.token_ids) - new.num_prompt_tokens
+        if num_outputs and not new.sampling_params.is_greedy:
+            for _ in range(num_outputs):
+                torch.empty(self.arch.vocab_size, device=self.device).exponential_(generator=generator)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

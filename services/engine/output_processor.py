@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kv_transfer.types import KVTransferParams
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from .request import Request
@@ -39,6 +40,8 @@ class RequestState:
     samples: list[_SampleState]
     num_cached_tokens: int = 0
     touched: bool = False  # has news since the last output
+    kv_transfer_params: KVTransferParams | None = None
+    kv_path: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,14 +61,17 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
         num_samples: int,
+        output_prefix: tuple[int, ...] = (),
     ) -> None:
+        """`output_prefix`: tokens generated elsewhere (the prefill worker's first one); they
+        are detokenization context and are not emitted again."""
         want_logprobs = params.logprobs is not None
         samples = [
             _SampleState(
                 index=i,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer,
-                    prompt_token_ids,
+                    [*prompt_token_ids, *output_prefix],
                     params.skip_special_tokens,
                     params.stop,
                     params.include_stop_str_in_output,
@@ -114,6 +120,9 @@ class OutputProcessor:
         state.touched = True
         state.metrics.finished_time = time.monotonic()
 
+    def set_kv_transfer_params(self, request_id: str, params: KVTransferParams) -> None:
+        self.states[request_id].kv_transfer_params = params
+
     def set_final(
         self, request_id: str, index: int, token_ids: list[int], cumulative_logprob: float, finish_reason: str
     ) -> None:
@@ -149,6 +158,7 @@ class OutputProcessor:
     def _note_progress(self, state: RequestState, request: Request) -> None:
         state.touched = True
         state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
+        state.kv_path = request.kv_path or state.kv_path
         metrics = state.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = request.first_scheduled_time
@@ -206,4 +216,6 @@ class OutputProcessor:
             finished,
             state.num_cached_tokens,
             state.metrics,
+            state.kv_transfer_params if finished else None,
+            state.kv_path,
         )

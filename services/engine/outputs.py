@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kv_transfer.types import KVTransferParams
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -53,6 +55,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # Disaggregation. Prefill side: where a decode worker fetches this prompt's K/V.
+    kv_transfer_params: KVTransferParams | None = None
+    # Decode side: how the prompt's K/V got here ("transferred" | "recomputed").
+    kv_path: str | None = None
 
     # Shortcuts for the common single-sample case.
     @property

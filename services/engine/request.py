@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ..kv_transfer.types import KVTransferParams
 from .block_hash import BlockHash, ExtraKeys, hash_request_tokens
 from .sampling_params import SamplingParams
 
@@ -49,6 +50,10 @@ class Request:
     # Whether the engine samples when this request reaches the end of its tokens. Off for
     # the shared-prefix request of an n > 1 group, which only fills the prompt's blocks.
     needs_sampling: bool = True
+    # Disaggregation. Prefill side: keep the blocks under a lease when the request stops at
+    # its length limit, for a decode worker to fetch. Decode side: where the prompt's K/V is.
+    kv_lease: bool = False
+    remote_kv: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -60,6 +65,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    kv_path: str | None = None  # decode side: "transferred" or "recomputed" once known
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -21,9 +21,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..kv_transfer.types import KVTransferStatus
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEvent
+from .kv_handover import KVHandover
 from .request import Request, RequestStatus
 from .scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -35,11 +37,14 @@ class _RunnerView:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int, lease_s: float = 30.0
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.block_size, num_blocks, cache.enable_prefix_caching)
+        self.handover = KVHandover(self.kv, lease_s)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -111,13 +116,19 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif receiving:
+            self.handover.park(request)  # its blocks are freed once the receive ends
         else:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        self.kv.free(request)
+        if request.kv_lease and status == RequestStatus.FINISHED_LENGTH:
+            self.handover.lease(request)  # the decode side fetches the prompt's K/V from these blocks
+        elif not receiving:
+            self.kv.free(request)
         self._needs_full_table.discard(request_id)
         if self._runner_views.pop(request_id, None) is not None:
             self._finished_since_last.add(request_id)
@@ -130,12 +141,17 @@ class Scheduler:
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
 
+    def update_kv_transfer(self, status: KVTransferStatus) -> None:
+        """Applies the runners' transfer report: received prompts start running (or recompute)."""
+        self.running.extend(self.handover.on_status(status))
+
     # -- one step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted_now = False
+        self.handover.expire(time.monotonic())
 
         # 1. Running requests: decodes first, then prompts in the middle of a chunked prefill.
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -160,6 +176,10 @@ class Scheduler:
         while self.waiting and not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.remote_kv is not None and request.kv_path is None:
+                if not self._start_receiving(request, hits, num_hit_tokens):
+                    break
+                continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -180,6 +200,21 @@ class Scheduler:
         return self._make_output(scheduled)
 
     # -- internals --------------------------------------------------------------------
+
+    def _start_receiving(self, request: Request, hits, num_hit_tokens: int) -> bool:
+        """Decode side: blocks for the whole prompt now, its K/V from the prefill worker next.
+        The blocks are registered in the prefix cache only once the K/V has arrived."""
+        num_remote = request.remote_kv.num_tokens - num_hit_tokens
+        if self.kv.allocate_slots(request, num_remote, hits, cache_new_blocks=False) is None:
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.num_prefix_cache_queries += request.num_tokens
+        self.num_prefix_cache_hits += num_hit_tokens
+        self.handover.start_recv(request)
+        return True
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         return self._cap_chunk(request.num_tokens - request.num_computed_tokens, budget)
@@ -258,6 +293,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+        leases_added, leases_removed, recvs = self.handover.take_updates()
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -266,6 +302,9 @@ class Scheduler:
             finished_req_ids=self._finished_since_last,
             preempted_req_ids=self._preempted_since_last,
             block_copies=self.kv.take_block_copies(),
+            kv_leases_added=leases_added,
+            kv_leases_removed=leases_removed,
+            kv_recvs=recvs,
         )
         self._finished_since_last = set()
         self._preempted_since_last = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kv_transfer.types import KVRecvTask, KVTransferStatus
 from .sampling_params import SamplingParams
 
 
@@ -48,6 +49,16 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # KV block copies (src, dst) to perform before the forward pass (copy on write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Prefill side: blocks now leased for a decode worker to fetch (transfer id -> blocks) ...
+    kv_leases_added: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # ... and leases ended (the blocks may be reused once the runner stops serving them).
+    kv_leases_removed: list[str] = field(default_factory=list)
+    # Decode side: prompts whose K/V to fetch into already allocated blocks.
+    kv_recvs: list[KVRecvTask] = field(default_factory=list)
+
+    @property
+    def has_kv_work(self) -> bool:
+        return bool(self.kv_leases_added or self.kv_leases_removed or self.kv_recvs)
 
     @property
     def is_empty(self) -> bool:
@@ -67,3 +78,5 @@ class SampledToken:
 class ModelRunnerOutput:
     # One entry per request that reached the end of its tokens this step.
     sampled: dict[str, SampledToken]
+    # KV transfers that ended since the last step (None without a connector).
+    kv_transfer: KVTransferStatus | None = None

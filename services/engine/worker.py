@@ -18,6 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..kv_transfer.connector import KVConnector, create_connector
 from ..model.config import ModelArch
 from ..model.parallel import TPGroup, backend_for_device
 from .config import EngineConfig
@@ -45,6 +46,7 @@ class Worker:
             torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 in actors
         self.tp = TPGroup()
         self.runner: ModelRunner | None = None
+        self.connector: KVConnector | None = None
 
     def node_address(self) -> tuple[str, int]:
         """This worker's host and a free TCP port on it (rank 0 hosts the group's store)."""
@@ -63,6 +65,8 @@ class Worker:
 
     def load_model(self) -> int:
         """Loads this rank's shard; returns how many KV blocks this rank's budget holds."""
+        if self.config.kv_transfer.role != "none":
+            self.connector = create_connector(self.config.kv_transfer, self.rank, self.device)
         self.runner = ModelRunner(
             model_dir=self.config.model.model,
             arch=self.arch,
@@ -71,6 +75,7 @@ class Worker:
             block_size=self.config.cache.block_size,
             kernel_impl=self.config.runner.kernel_backend,
             tp=self.tp,
+            connector=self.connector,
         )
         return num_kv_blocks_for(self.config, self.runner.kv_block_bytes, self.device)
 
@@ -80,11 +85,21 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def kv_endpoint(self) -> str | None:
+        """Where decode workers reach this rank's KV transfer server (None: no connector)."""
+        return self.connector.endpoint if self.connector is not None else None
+
+    def set_kv_faults(self, faults) -> None:
+        """Test hook: fault injection on this rank's sends (if the config allows it)."""
+        self.connector.set_faults(faults)
+
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, on the CPU (for inspection and tests)."""
         return {name: p.detach().cpu() for name, p in self.runner.model.named_parameters()}
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

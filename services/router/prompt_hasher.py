@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.block_hash import BlockHash, hash_request_tokens, request_extra_keys
+from ..engine.input_processor import tokenize_prompt
 
 
 class PromptHasher:
@@ -35,7 +36,7 @@ class PromptHasher:
             raise ValueError("this PromptHasher has no tokenizer: pass token ids, or build it with from_model()")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
         return hash_request_tokens(token_ids, self.block_size, request_extra_keys(cache_salt))

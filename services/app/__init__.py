@@ -1,0 +1,1 @@
+"""The Ray Serve application: builder functions and the `baton serve` launcher."""

@@ -1,0 +1,53 @@
+"""Builds the Serve application from a `BatonConfig`: plain functions binding plain classes.
+
+colocated:      gateway -> colocated (EngineWorker x N)
+disaggregated:  gateway -> prefill (EngineWorker x P), decode (EngineWorker x D)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import BatonConfig, Role
+from ..gateway.gateway import Gateway
+from ..gateway.placement import ColocatedPlacement, Placement
+from ..ray_env import import_ray
+from ..workers.engine_worker import EngineWorker
+
+HEALTH_CHECK_PERIOD_S = 5.0
+
+
+class ServeGateway(Gateway):
+    """The gateway as Serve builds it: from the handles of the engine deployments."""
+
+    def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str) -> None:
+        super().__init__(make_placement(mode, workers), tokenizer_path, mode)
+
+
+def make_placement(mode: str, workers: dict[str, Any]) -> Placement:
+    if mode == "colocated":
+        return ColocatedPlacement(workers["colocated"])
+    raise ValueError(f"mode {mode!r} is not available in this build")
+
+
+def build_app(config: BatonConfig):
+    import_ray()
+    from ray import serve
+
+    router_config = config.router_config() if config.router.redis is not None else None
+    workers = {role: _engine_deployment(config, role, router_config) for role in config.roles}
+    gateway = serve.deployment(serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options())
+    tokenizer = config.engine.model.tokenizer or config.engine.model.model
+    return gateway.bind(workers, tokenizer, config.mode)
+
+
+def _engine_deployment(config: BatonConfig, role: Role, router_config):
+    from ray import serve
+
+    section = config.deployment(role)
+    deployment = serve.deployment(
+        EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **section.serve_options()
+    )
+    return deployment.bind(
+        role, config.engine_config(role), config.served_model_name, router_config, section.max_waiting_requests
+    )

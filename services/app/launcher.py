@@ -1,0 +1,156 @@
+"""`baton serve`: a local Ray cluster, a local Redis (unless the config names one), and the
+application, stopped cleanly on Ctrl-C or SIGTERM.
+
+`LocalDeployment` is the same start-up as a context manager; the tests use it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import BatonConfig, load_config
+from ..ray_env import import_ray
+from .local_redis import LocalRedis, free_port
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
+GRPC_SERVICERS = [
+    "baton.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def baton_home() -> Path:
+    return Path(os.environ.get("BATON_HOME", Path.cwd() / ".baton"))
+
+
+def default_model() -> Path:
+    """The embedded default: a tiny random Llama, built once and cached."""
+    from ..model.tiny import make_tiny_model
+
+    path = baton_home() / "models" / "tiny-llama"
+    if not (path / "model.safetensors").exists():
+        logger.info("building the tiny default model in %s (once)", path)
+        make_tiny_model(path, arch="llama", preset="tiny")
+    return path
+
+
+def resolve_config(
+    config_path: str | Path | None, model: str | None, overrides: dict[str, Any] | None = None
+) -> BatonConfig:
+    import yaml
+
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    raw = yaml.safe_load(path.read_text()) or {}
+    merged = dict(overrides or {})
+    configured_model = ((raw.get("engine") or {}).get("model") or {}).get("model")
+    if model or not configured_model:
+        engine = dict(merged.get("engine", {}))
+        engine["model"] = {**engine.get("model", {}), "model": str(model or default_model())}
+        merged["engine"] = engine
+    return load_config(path, merged)
+
+
+@dataclass
+class LocalDeployment:
+    """Ray + Redis + the application, on this machine."""
+
+    config: BatonConfig
+    run_dir: Path
+    num_cpus: int | None = None
+    redis: LocalRedis | None = None
+    grpc_address: str = ""
+    http_address: str = ""
+    _started_ray: bool = field(default=False, repr=False)
+
+    def start(self) -> LocalDeployment:
+        ray = import_ray()
+        from ray import serve
+        from ray.serve.config import gRPCOptions
+
+        from .builder import build_app
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config
+        if config.router.redis is None:
+            self.redis = LocalRedis(self.run_dir / "redis")
+            config = config.model_copy(
+                update={"router": config.router.model_copy(update={"redis": _redis_config(self.redis.url)})}
+            )
+            self.config = config
+        if not ray.is_initialized():
+            ray.init(
+                include_dashboard=False,
+                num_cpus=self.num_cpus,
+                _temp_dir=str(self.run_dir / "ray"),
+                log_to_driver=False,
+            )
+            self._started_ray = True
+        server = config.server
+        http_port = server.http_port or free_port()
+        grpc_port = server.grpc_port or free_port()
+        serve.start(
+            http_options={"host": server.http_host, "port": http_port, "request_timeout_s": server.request_timeout_s},
+            grpc_options=gRPCOptions(
+                port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
+            ),
+        )
+        serve.run(build_app(config), name=config.name, route_prefix="/")
+        self.grpc_address = f"127.0.0.1:{grpc_port}"
+        self.http_address = f"http://{server.http_host}:{http_port}"
+        return self
+
+    def stop(self) -> None:
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            if self._started_ray:
+                import_ray().shutdown()
+            if self.redis is not None:
+                self.redis.stop()
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _redis_config(url: str):
+    from ..router.config import RedisConfig
+
+    return RedisConfig(url=url)
+
+
+def serve_forever(config_path: str | None, model: str | None) -> int:
+    config = resolve_config(config_path, model)
+    run_dir = baton_home() / "r" / str(os.getpid())
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deployment = LocalDeployment(config, run_dir)
+    print(f"starting Baton ({config.mode}, model {config.served_model_name}) ...", flush=True)
+    deployment.start()
+    try:
+        print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
+        print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
+        if deployment.redis is not None:
+            print(f"Redis {deployment.redis.url}   (local)")
+        print("Ctrl-C to stop.", flush=True)
+        while not stop.is_set():
+            time.sleep(0.5)
+    finally:
+        print("stopping ...", flush=True)
+        deployment.stop()
+    return 0

@@ -1,0 +1,198 @@
+"""Baton's service configuration: one validated, typed model loaded from YAML.
+
+Each component receives only its own section: the gateway its `gateway` section and the
+router's, each engine worker its role's engine config (the shared `engine` section with
+the role's `engine_overrides` merged in) and the worker-side router settings. Cross-field
+checks run at load: prefill and decode share the model and block size, and tensor
+parallelism must divide the model's heads (checked when the model's config is read).
+
+    name, mode, server        the Serve application and its endpoints
+    engine                    EngineConfig shared by every role (services/engine/config.py)
+    gateway                   the ingress deployment (gRPC + OpenAI HTTP)
+    colocated | prefill, decode   the engine deployments (mode picks which exist)
+    router                    Redis connection, index, policy, worker side (services/router/config.py)
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .engine.config import EngineConfig
+from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+Role = Literal["colocated", "prefill", "decode"]
+
+
+class ServerConfig(BaseModel):
+    model_config = _FROZEN
+
+    http_host: str = Field("127.0.0.1", description="HTTP (OpenAI API) listen address")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free one)")
+    grpc_port: int = Field(
+        9000, ge=0, le=65535, description="gRPC port (Ray Serve's gRPC proxy listens on all interfaces)"
+    )
+    request_timeout_s: float | None = Field(None, gt=0, description="Server-side cap on one request's duration")
+
+
+class ActorOptions(BaseModel):
+    model_config = _FROZEN
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica (tensor-parallel ranks take their own)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources, e.g. {prefill_node: 0.5} to pin replicas to nodes"
+    )
+
+
+class AutoscalingConfig(BaseModel):
+    model_config = _FROZEN
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas")
+    max_replicas: int = Field(4, ge=1, description="Most replicas")
+    target_ongoing_requests: float = Field(16.0, gt=0, description="Requests per replica the autoscaler aims for")
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before adding a replica")
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long load must stay low before removing one")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentConfig(BaseModel):
+    model_config = _FROZEN
+
+    num_replicas: int = Field(1, ge=1, description="Replicas (ignored when autoscaling is set)")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Scale replicas with load instead")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica handles at once")
+    ray_actor_options: ActorOptions = Field(default_factory=ActorOptions, description="Resources per replica")
+
+    def serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options`."""
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": self.ray_actor_options.model_dump(),
+        }
+        if self.autoscaling is None:
+            options["num_replicas"] = self.num_replicas
+        else:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        return options
+
+
+class GatewayConfig(DeploymentConfig):
+    ray_actor_options: ActorOptions = Field(
+        default_factory=lambda: ActorOptions(num_cpus=0.25), description="Resources per replica"
+    )
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests a replica handles at once")
+
+
+class EngineDeploymentConfig(DeploymentConfig):
+    engine_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Engine settings for this role only, e.g. {scheduler: {max_num_seqs: 64}}"
+    )
+    max_waiting_requests: int = Field(
+        512, ge=1, description="Overload bound: beyond this many queued requests, new ones get 429 / RESOURCE_EXHAUSTED"
+    )
+
+
+class RouterSection(BaseModel):
+    model_config = _FROZEN
+
+    redis: RedisConfig | None = Field(
+        None, description="Redis for the index and registry; None: `baton serve` starts one"
+    )
+    index: IndexConfig = IndexConfig()
+    policy: PolicyConfig = PolicyConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+
+class BatonConfig(BaseModel):
+    model_config = _FROZEN
+
+    name: str = Field("baton", description="Serve application name (gRPC clients send it as `application` metadata)")
+    mode: Literal["colocated", "disaggregated"] = Field("colocated", description="One engine role, or prefill + decode")
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = Field(description="Engine settings shared by every role")
+    gateway: GatewayConfig = GatewayConfig()
+    colocated: EngineDeploymentConfig = EngineDeploymentConfig()
+    prefill: EngineDeploymentConfig = EngineDeploymentConfig()
+    decode: EngineDeploymentConfig = EngineDeploymentConfig()
+    router: RouterSection = RouterSection()
+
+    @model_validator(mode="after")
+    def _roles_agree(self) -> BatonConfig:
+        for role in self.roles:
+            engine = self.engine_config(role)  # validates the merged overrides
+            if engine.model.model != self.engine.model.model:
+                raise ValueError(f"{role}.engine_overrides must not change the model")
+            if engine.cache.block_size != self.engine.cache.block_size:
+                raise ValueError(f"{role}.engine_overrides must not change block_size: prefill and decode share it")
+        return self
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.model.served_model_name or Path(self.engine.model.model).name
+
+    def deployment(self, role: Role) -> EngineDeploymentConfig:
+        return getattr(self, role)
+
+    def engine_config(self, role: Role) -> EngineConfig:
+        overrides = self.deployment(role).engine_overrides
+        merged = _deep_merge(self.engine.model_dump(), overrides)
+        return EngineConfig.model_validate(merged)
+
+    def router_config(self) -> RouterConfig:
+        section = self.router
+        if section.redis is None:
+            raise ValueError("router.redis is not set (baton serve starts a local Redis when it is missing)")
+        return RouterConfig(
+            model=self.served_model_name,
+            block_size=self.engine.cache.block_size,
+            redis=section.redis,
+            index=section.index,
+            policy=section.policy,
+            worker=section.worker,
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> BatonConfig:
+    """Reads YAML, merges `overrides` (e.g. {"engine": {"model": {"model": DIR}}}), validates.
+
+    Errors name the file and the offending field.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read config {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"config {path} must be a mapping at the top level")
+    merged = _deep_merge(raw, overrides or {})
+    try:
+        return BatonConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ValueError(f"invalid config{f' {path}' if path else ''}:\n{e}") from e
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

@@ -1,0 +1,146 @@
+"""Turns what a caller sends into a validated, tokenized request (no engine state touched,
+so it runs on any thread: the async engine validates on the caller's event loop).
+
+`tokenize_prompt` is the one way a text prompt becomes token ids; the router's hasher uses
+it too, so the block hashes a router computes match the engine's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..kv_transfer.types import KVTransferParams
+from ..model.config import ModelArch
+from .config import EngineConfig
+from .errors import InvalidRequestError
+from .sampling_params import SamplingParams
+
+
+def tokenize_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a text prompt, with the special tokens the model's tokenizer adds."""
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A tokenized, validated request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context limit
+    seed: int | None
+    cache_salt: str | None
+    arrival_time: float
+    kv_lease: bool = False  # prefill side: keep the prompt's blocks for a decode worker
+    output_prefix: tuple[int, ...] = ()  # decode side: tokens already generated elsewhere
+    remote_kv: KVTransferParams | None = None  # decode side: where the prompt's K/V is
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, arch: ModelArch, tokenizer: Any, max_model_len: int) -> None:
+        self.config = config
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        kv_lease: bool = False,
+        output_prefix: Sequence[int] = (),
+        remote_kv: KVTransferParams | None = None,
+    ) -> PreparedRequest:
+        """Tokenizes and validates; raises InvalidRequestError naming the field.
+
+        Disaggregation: `kv_lease` (prefill side) keeps the prompt's blocks for a decode
+        worker when the request stops at its length limit; `output_prefix` and `remote_kv`
+        (decode side) continue a request whose prompt was prefilled elsewhere.
+        """
+        params = params or SamplingParams()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        if kv_lease or output_prefix or remote_kv is not None:
+            self._validate_handover(prompt_ids, params, output_prefix, remote_kv)
+        return PreparedRequest(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids)),
+            seed=params.seed,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            kv_lease=kv_lease,
+            output_prefix=tuple(output_prefix),
+            remote_kv=remote_kv,
+        )
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return prompt, tokenize_prompt(self.tokenizer, prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be integers in [0, {self.arch.vocab_size})")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens but the context limit is "
+                f"{self.max_model_len} (prompt + at least one generated token)",
+            )
+        params.validate_for_model(self.arch.vocab_size, self.config.model.max_logprobs)
+        if (
+            not self.config.scheduler.enable_chunked_prefill
+            and len(prompt_ids) > self.config.scheduler.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens, more than max_num_batched_tokens "
+                f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off",
+            )
+
+    def _validate_handover(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_prefix: Sequence[int],
+        remote_kv: KVTransferParams | None,
+    ) -> None:
+        if params.n != 1 or params.use_beam_search:
+            raise InvalidRequestError("n", "a disaggregated request has one sample and no beam search")
+        if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt and generated tokens ({len(prompt_ids) + len(output_prefix)}) "
+                f"reach the context limit ({self.max_model_len})",
+            )
+        if remote_kv is not None:
+            if remote_kv.block_size != self.config.cache.block_size:
+                raise InvalidRequestError(
+                    "remote_kv", f"block size {remote_kv.block_size} != this engine's {self.config.cache.block_size}"
+                )
+            if remote_kv.num_tokens != len(prompt_ids):
+                raise InvalidRequestError(
+                    "remote_kv", f"covers {remote_kv.num_tokens} tokens, the prompt has {len(prompt_ids)}"
+                )
+            if remote_kv.tp_size != self.config.parallel.tensor_parallel_size:
+                raise InvalidRequestError(
+                    "remote_kv",
+                    f"comes from {remote_kv.tp_size} TP ranks, this engine has "
+                    f"{self.config.parallel.tensor_parallel_size}",
+                )

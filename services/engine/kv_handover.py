@@ -1,0 +1,127 @@
+"""The scheduler's side of the KV handover: leases (prefill) and receives (decode).
+
+Prefill side. A request with `kv_lease` that stops at its length limit keeps its blocks:
+
+    finish -> lease(request)      blocks held; the runners learn (transfer id -> block ids)
+    sender reports done/failed -> release()   blocks freed; runners forget the lease
+    nobody came by `lease_s`   -> expire()    the same, at the deadline
+
+Decode side. A request with `remote_kv` gets blocks for its prompt first (after any local
+prefix hit), then waits while the runners receive into them:
+
+    admit -> start_recv()         WAITING_FOR_REMOTE_KV, a KVRecvTask for the runners
+    received -> running, the prompt counted as computed (and its full blocks cached)
+    failed   -> running, recomputing the prompt locally (from the local hit onwards)
+
+A request aborted while its blocks are being written stays parked until the runners report
+the receive over, so those blocks are never handed to anyone else mid-write.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..kv_transfer.types import KVRecvTask, KVTransferStatus
+from .kv_cache_manager import KVCacheManager, cdiv
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _Lease:
+    request: Request
+    expires_at: float
+
+
+class KVHandover:
+    def __init__(self, kv: KVCacheManager, lease_s: float) -> None:
+        self.kv = kv
+        self.lease_s = lease_s
+        self.leases: dict[str, _Lease] = {}
+        self.receiving: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # aborted mid-receive: blocks freed once it ends
+        # Reported to the runners with the next scheduler output.
+        self.new_leases: dict[str, tuple[int, ...]] = {}
+        self.ended_leases: list[str] = []
+        self.new_recvs: list[KVRecvTask] = []
+        # Counters (engine stats).
+        self.num_recv_ok = 0
+        self.num_recv_failed = 0
+        self.num_leases_expired = 0
+        self.bytes_received = 0
+        self.recv_seconds = 0.0
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the runners have transfers to finish (the engine keeps polling them)."""
+        return bool(self.leases or self.receiving or self.parked or self.new_leases or self.ended_leases)
+
+    # -- prefill side -----------------------------------------------------------------
+
+    def lease(self, request: Request) -> tuple[int, ...]:
+        block_ids = tuple(self.kv.get_block_ids(request.request_id))
+        self.leases[request.request_id] = _Lease(request, time.monotonic() + self.lease_s)
+        self.new_leases[request.request_id] = block_ids
+        return block_ids
+
+    def release(self, transfer_id: str) -> None:
+        lease = self.leases.pop(transfer_id, None)
+        if lease is None:
+            return
+        self.kv.free(lease.request)
+        if self.new_leases.pop(transfer_id, None) is None:
+            self.ended_leases.append(transfer_id)
+
+    def expire(self, now: float) -> None:
+        for transfer_id in [t for t, lease in self.leases.items() if lease.expires_at <= now]:
+            self.num_leases_expired += 1
+            self.release(transfer_id)
+
+    # -- decode side ------------------------------------------------------------------
+
+    def start_recv(self, request: Request) -> None:
+        params = request.remote_kv
+        block_size = self.kv.block_size
+        first = request.num_computed_tokens // block_size  # blocks below this were local hits
+        end = cdiv(params.num_tokens, block_size)
+        dst = self.kv.get_block_ids(request.request_id)[first:end]
+        self.new_recvs.append(KVRecvTask(request.request_id, params, tuple(params.block_ids[first:end]), tuple(dst)))
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.receiving[request.request_id] = request
+
+    def park(self, request: Request) -> None:
+        """An aborted request whose blocks are still being written."""
+        self.receiving.pop(request.request_id, None)
+        self.parked[request.request_id] = request
+
+    def on_status(self, status: KVTransferStatus) -> list[Request]:
+        """Applies the runners' report; returns the requests that can run now."""
+        self.bytes_received += status.bytes_received
+        self.recv_seconds += status.recv_seconds
+        for transfer_id in status.finished_sending | status.failed_sending:
+            self.release(transfer_id)
+        ready = []
+        for request_id in [*status.finished_recving, *status.failed_recving]:
+            parked = self.parked.pop(request_id, None)
+            if parked is not None:
+                self.kv.free(parked)
+                continue
+            request = self.receiving.pop(request_id, None)
+            if request is None:
+                continue
+            if request_id in status.finished_recving:
+                self.num_recv_ok += 1
+                request.kv_path = "transferred"
+                request.num_computed_tokens = request.remote_kv.num_tokens
+                self.kv.cache_computed(request)
+            else:
+                self.num_recv_failed += 1
+                request.kv_path = "recomputed"  # from the local prefix hit onwards
+            request.status = RequestStatus.RUNNING
+            ready.append(request)
+        return ready
+
+    def take_updates(self) -> tuple[dict[str, tuple[int, ...]], list[str], list[KVRecvTask]]:
+        updates = (self.new_leases, self.ended_leases, self.new_recvs)
+        self.new_leases, self.ended_leases, self.new_recvs = {}, [], []
+        return updates

@@ -1,0 +1,204 @@
+"""The generation service behind both APIs: tokenize once, validate, place, stream.
+
+    GenerationRequest (from gRPC or OpenAI)
+      -> prompt token ids (the gateway's tokenizer; chat template for chat requests)
+      -> checks: sampling parameters, prompt length against the context limit
+      -> Placement.stream(GenerateCall)  ->  RequestOutput deltas  ->  GenerationEvent
+
+Every request has an id (the client's, or a fresh one), so `abort` can reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.errors import InvalidRequestError
+from ..engine.outputs import CompletionOutput
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
+from ..serving_errors import NotFoundError
+from ..workers.messages import GenerateCall, WorkerModelInfo
+from .placement import Placement, PlacementTrace
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str = ""
+    cache_salt: str | None = None
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class PreparedGeneration:
+    call: GenerateCall  # what the workers receive
+    arrival: float  # time.monotonic() when the gateway got the request
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerationEvent:
+    """One streamed piece: new tokens/text of one sample, and at the end usage and timings."""
+
+    request_id: str
+    completion: CompletionOutput  # a delta: only the new tokens and text of sample `index`
+    usage: Usage
+    finished: bool  # the whole request (all samples) is done
+    time_to_first_token_s: float | None
+    total_s: float
+    trace: PlacementTrace
+
+
+class GenerationService:
+    def __init__(self, tokenizer: Any, placement: Placement) -> None:
+        self.tokenizer = tokenizer
+        self.placement = placement
+        self._model_info: WorkerModelInfo | None = None
+        self._inflight: dict[str, asyncio.Event] = {}  # request id -> set when aborted
+
+    async def model_info(self) -> WorkerModelInfo:
+        if self._model_info is None:
+            self._model_info = await self.placement.model_info()
+        return self._model_info
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "the model has no chat template; use /v1/completions")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as e:  # the template raised on these messages
+            raise InvalidRequestError("messages", f"the chat template rejected the messages: {e}") from e
+
+    def abort(self, request_id: str) -> bool:
+        aborted = self._inflight.get(request_id)
+        if aborted is None:
+            return False
+        aborted.set()
+        return True
+
+    async def check_model(self, name: str | None) -> None:
+        info = await self.model_info()
+        if name and name != info.model:
+            raise NotFoundError(f"the model {name!r} does not exist; this server serves {info.model!r}")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        async for event in self.stream(await self.prepare(request)):
+            yield event
+
+    async def prepare(self, request: GenerationRequest) -> PreparedGeneration:
+        """Tokenizes and validates: every InvalidRequestError surfaces here, before streaming."""
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._inflight:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_ids = await self._prompt_ids(request)
+        params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
+        return PreparedGeneration(GenerateCall(request_id, prompt_ids, params, request.cache_salt), time.monotonic())
+
+    async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[GenerationEvent]:
+        call, arrival = prepared.call, prepared.arrival
+        request_id, params = call.request_id, call.params
+        trace = PlacementTrace()
+        usage = Usage(prompt_tokens=len(call.prompt_token_ids))
+        first_token: float | None = None
+        aborted = self._inflight[request_id] = asyncio.Event()
+        stream = self.placement.stream(call, trace)
+        try:
+            while True:
+                output = await _next_or_abort(stream, aborted)
+                if output is None:  # aborted by id: close downstream, report "abort"
+                    for index in range(_num_samples(params)):
+                        yield self._event(
+                            request_id, _aborted_completion(index), usage, True, first_token, arrival, trace
+                        )
+                    return
+                usage.cached_tokens = output.num_cached_tokens
+                for completion in output.outputs:
+                    usage.completion_tokens += len(completion.token_ids)
+                    if first_token is None and completion.token_ids:
+                        first_token = time.monotonic()
+                last = len(output.outputs) - 1
+                for i, completion in enumerate(output.outputs):
+                    yield self._event(
+                        request_id, completion, usage, output.finished and i == last, first_token, arrival, trace
+                    )
+                if output.finished:
+                    return
+        finally:
+            self._inflight.pop(request_id, None)
+            await stream.aclose()
+
+    async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            prompt_ids = self.tokenize(request.prompt, request.add_special_tokens)
+        else:
+            prompt_ids = list(request.prompt)
+            if not prompt_ids:
+                raise InvalidRequestError("prompt", "must not be empty")
+        info = await self.model_info()
+        if len(prompt_ids) >= info.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens but the context limit is {info.max_model_len} "
+                "(prompt + at least one generated token)",
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})"
+            )
+        return prompt_ids
+
+    @staticmethod
+    def _event(request_id, completion, usage, finished, first_token, arrival, trace) -> GenerationEvent:
+        now = time.monotonic()
+        return GenerationEvent(
+            request_id,
+            completion,
+            dataclasses.replace(usage),
+            finished,
+            None if first_token is None else first_token - arrival,
+            now - arrival,
+            trace,
+        )
+
+
+async def _next_or_abort(stream: AsyncIterator, aborted: asyncio.Event):
+    """The stream's next item, or None once `aborted` is set (whichever comes first)."""
+    next_item = asyncio.ensure_future(stream.__anext__())
+    abort_wait = asyncio.ensure_future(aborted.wait())
+    try:
+        done, _ = await asyncio.wait({next_item, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        abort_wait.cancel()
+    if next_item in done:
+        return next_item.result()
+    next_item.cancel()
+    await asyncio.gather(next_item, return_exceptions=True)  # let the generator unwind before aclose()
+    return None
+
+
+def _num_samples(params: SamplingParams) -> int:
+    return params.beam_width if params.use_beam_search else params.n
+
+
+def _aborted_completion(index: int) -> CompletionOutput:
+    return CompletionOutput(index, "", [], None, None, "abort")

@@ -1,0 +1,107 @@
+"""Conversions between `baton.v1` protobuf messages and the generation service."""
+
+from __future__ import annotations
+
+from baton.v1 import inference_pb2 as pb
+
+from ..engine.errors import InvalidRequestError
+from ..engine.sampling_params import SamplingParams
+from ..workers.messages import WorkerModelInfo
+from .generation import GenerationEvent, GenerationRequest
+
+# Proto field -> SamplingParams field, for the optional scalars (unset means the default).
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
+def generation_request(request: pb.GenerateRequest) -> GenerationRequest:
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequestError("prompt", "set either text or token_ids")
+    prompt = request.text if which == "text" else list(request.token_ids.ids)
+    return GenerationRequest(
+        prompt=prompt,
+        params=sampling_params(request.sampling),
+        request_id=request.request_id,
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+    )
+
+
+def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+    kwargs = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
+    if "seed" in kwargs and kwargs["seed"] >= 2**63:
+        raise InvalidRequestError("seed", f"must be < 2**63, got {kwargs['seed']}")
+    # float32 on the wire: round so that 0.9 arrives as 0.9, not 0.899999976.
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if name in kwargs:
+            kwargs[name] = round(kwargs[name], 6)
+    return SamplingParams(stop=list(message.stop), stop_token_ids=list(message.stop_token_ids), **kwargs)
+
+
+def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.GenerateResponse:
+    completion = event.completion
+    response = pb.GenerateResponse(
+        request_id=event.request_id,
+        index=completion.index,
+        token_ids=completion.token_ids,
+        text=completion.text,
+        finish_reason=completion.finish_reason or "",
+    )
+    if isinstance(completion.stop_reason, int):
+        response.stop_token_id = completion.stop_reason
+    elif isinstance(completion.stop_reason, str):
+        response.stop_string = completion.stop_reason
+    for token_id, entries in zip(completion.token_ids, completion.logprobs or []):
+        chosen = entries[token_id]
+        ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:num_top_logprobs]
+        top = [pb.TopLogprob(token_id=t, logprob=e.logprob, token=e.decoded_token or "") for t, e in ranked]
+        response.logprobs.append(
+            pb.TokenLogprob(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank, top_logprobs=top)
+        )
+    if event.finished:
+        usage = event.usage
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+            )
+        )
+        trace = event.trace
+        response.timings.CopyFrom(
+            pb.Timings(
+                time_to_first_token_s=event.time_to_first_token_s or 0.0,
+                total_s=event.total_s,
+                kv_path=trace.kv_path,
+                prefill_worker=trace.prefill_worker,
+                decode_worker=trace.decode_worker,
+            )
+        )
+    return response
+
+
+def model_info(info: WorkerModelInfo, roles: list[str], mode: str) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        max_context_length=info.max_model_len,
+        block_size=info.block_size,
+        tensor_parallel_size=info.tensor_parallel_size,
+        roles=roles,
+        vocab_size=info.vocab_size,
+        mode=mode,
+    )

@@ -1,0 +1,35 @@
+"""Settings of the KV handover (a section of the engine config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class FaultInjection(BaseModel):
+    """Test hooks on the sending side, applied to every transfer while set."""
+
+    model_config = _FROZEN
+
+    drop: bool = Field(False, description="Accept the request but never send (the receiver times out)")
+    delay_s: float = Field(0.0, ge=0, description="Sleep this long before sending")
+    corrupt: bool = Field(False, description="Flip bits after the checksum was taken (caught in verify mode)")
+
+
+class KVTransferConfig(BaseModel):
+    model_config = _FROZEN
+
+    role: Literal["none", "producer", "consumer"] = Field(
+        "none", description="producer: prefill side (leases blocks, sends); consumer: decode side (receives)"
+    )
+    transport: Literal["torch", "nixl"] = Field(
+        "torch", description="torch: torch.distributed (gloo on CPU, NCCL on CUDA); nixl: RDMA when installed"
+    )
+    host: str = Field("127.0.0.1", description="Address this worker's transfer server listens on")
+    timeout_s: float = Field(10.0, gt=0, description="Both sides give up on a transfer after this long")
+    lease_s: float = Field(30.0, gt=0, description="The prefill side frees unclaimed blocks after this long")
+    verify: bool = Field(False, description="Checksum every transfer; a mismatch makes the decode side recompute")
+    allow_fault_injection: bool = Field(False, description="Allow FaultInjection to be set at run time (tests)")

@@ -1,0 +1,328 @@
+"""KV handover over torch.distributed: gloo on CPU, NCCL on CUDA.
+
+Every rank runs a TCPStore server (its endpoint). It is both the control channel and the
+rendezvous for data groups:
+
+  control   a queue in the prefill rank's store: the decode rank appends a request
+            (`add("q/len")`, then `set("q/<n>")`); the prefill rank's server thread takes
+            them in order
+  data      one 2-rank process group per (decode rank, prefill rank) pair, built lazily on a
+            PrefixStore of the prefill rank's store (prefill = rank 0, decode = rank 1), reused,
+            and rebuilt under a new generation after a failure. Adding or removing a replica
+            never touches the other pairs' groups.
+
+One transfer, pipelined layer by layer (the next layer is in flight while one is packed
+or unpacked):
+
+    decode                                   prefill
+    request {id, blocks, pair, gen} ----->   claim the lease (refused if it expired)
+    recv header  <-----------------------    header [status, blocks, layers, checksum]
+    recv layer 0..L-1 <------------------    pack + send layer 0..L-1: K/V of the blocks
+    write into its own blocks, verify
+    send ack ---------------------------->   finished_sending: the lease can be released
+
+Both sides time out (the groups' timeout); a failed pair is dropped and rebuilt under the
+next generation, and the decode side reports the failure so its engine recomputes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from .config import FaultInjection, KVTransferConfig
+from .connector import KVConnector
+from .types import KVRecvTask, KVTransferStatus
+
+logger = logging.getLogger(__name__)
+
+_TAG = 0
+_OK, _EXPIRED = 0, 1
+_QUEUE_LEN = "q/len"
+_MIN_POLL_S = 0.001
+_MAX_POLL_S = 0.02
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class TorchDistributedConnector(KVConnector):
+    def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
+        self.config = config
+        self.rank = tp_rank
+        self.device = device
+        self.uid = uuid.uuid4().hex[:12]
+        self.timeout = datetime.timedelta(seconds=config.timeout_s)
+        self.store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._endpoint = f"{config.host}:{self.store.port}"
+        self.kv_caches: list[torch.Tensor] = []
+        self.faults = FaultInjection()
+        self._lock = threading.Condition()
+        self._closed = threading.Event()
+        self._status = KVTransferStatus()
+        # Sending side: leased blocks, and sends in flight per transfer.
+        self._leases: dict[str, tuple[int, ...]] = {}
+        self._sending: dict[str, int] = {}
+        self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
+        # Receiving side.
+        self._pending: set[str] = set()
+        self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
+        self._clients: dict[str, dist.TCPStore] = {}
+        self._generations: dict[str, int] = {}
+        # Data groups by pair key, and one lock per pair (a group runs one transfer at a time).
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._pair_locks: dict[str, threading.Lock] = {}
+        self._server = None
+        if config.role == "producer":
+            self._server = threading.Thread(target=self._serve, name="kv-transfer-server", daemon=True)
+            self._server.start()
+
+    # -- KVConnector ------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            self._leases.update(leases)
+
+    def remove_leases(self, transfer_ids: list[str]) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._lock:
+            for transfer_id in transfer_ids:
+                self._leases.pop(transfer_id, None)
+            # Blocks may be reused right after this returns: wait out sends still reading them.
+            while any(self._sending.get(t) for t in transfer_ids) and time.monotonic() < deadline:
+                self._lock.wait(timeout=0.05)
+
+    def start_recv(self, task: KVRecvTask) -> None:
+        with self._lock:
+            self._pending.add(task.request_id)
+        self._recv_pool.submit(self._recv, task)
+
+    def poll(self) -> KVTransferStatus:
+        with self._lock:
+            status, self._status = self._status, KVTransferStatus()
+        return status
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def set_faults(self, faults: FaultInjection) -> None:
+        if not self.config.allow_fault_injection:
+            raise PermissionError("fault injection is disabled (kv_transfer.allow_fault_injection)")
+        self.faults = faults
+
+    def close(self) -> None:
+        self._closed.set()
+        self._send_pool.shutdown(wait=False, cancel_futures=True)
+        self._recv_pool.shutdown(wait=False, cancel_futures=True)
+        self._groups.clear()
+        self._clients.clear()
+
+    # -- decode side ------------------------------------------------------------------
+
+    def _recv(self, task: KVRecvTask) -> None:
+        start = time.monotonic()
+        endpoint = task.params.source_endpoints[self.rank]
+        try:
+            with self._pair_lock(endpoint):
+                received = self._recv_locked(task, endpoint)
+            with self._lock:
+                self._status.finished_recving.add(task.request_id)
+                self._status.bytes_received += received
+                self._status.recv_seconds += time.monotonic() - start
+        except Exception as error:  # any failure: the engine recomputes this request
+            logger.warning("KV transfer %s from %s failed: %s", task.request_id, endpoint, error)
+            self._drop_pair(endpoint)
+            with self._lock:
+                self._status.failed_recving[task.request_id] = f"{type(error).__name__}: {error}"
+        finally:
+            with self._lock:
+                self._pending.discard(task.request_id)
+
+    def _recv_locked(self, task: KVRecvTask, endpoint: str) -> int:
+        store = self._client(endpoint)
+        pair = f"pair/{self.uid}/{self.rank}/{self._generations.get(endpoint, 0)}"
+        request = {
+            "transfer_id": task.params.transfer_id,
+            "blocks": list(task.src_block_ids),
+            "pair": pair,
+            "verify": self.config.verify,
+        }
+        slot = store.add(_QUEUE_LEN, 1)
+        store.set(f"q/{slot}", json.dumps(request))
+        group = self._group(pair, store, rank=1)
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)
+        group.recv([header], 0, _TAG).wait()
+        status, num_blocks, num_layers, checksum = header.tolist()
+        if status == _EXPIRED:
+            raise TransferError("the prefill side's lease expired")
+        if (num_blocks, num_layers) != (len(task.dst_block_ids), len(self.kv_caches)):
+            raise TransferError(
+                f"header announces {num_blocks} blocks x {num_layers} layers, expected "
+                f"{len(task.dst_block_ids)} x {len(self.kv_caches)}"
+            )
+        dst = torch.tensor(task.dst_block_ids, dtype=torch.long, device=self.device)
+        buffers = [torch.empty_like(kv[:, dst]) for kv in self.kv_caches]
+        works = [group.recv([buf], 0, _TAG) for buf in buffers]  # all posted: layers arrive back to back
+        crc = 0
+        for kv, buf, work in zip(self.kv_caches, buffers, works):
+            work.wait()
+            if self.config.verify:
+                crc = zlib.crc32(_bytes(buf), crc)
+            kv.index_copy_(1, dst, buf)
+        if self.config.verify and crc != checksum:
+            raise TransferError(f"checksum mismatch ({crc:#x} != {checksum:#x})")
+        group.send([torch.ones(1, dtype=torch.int64, device=self.device)], 0, _TAG).wait()
+        return sum(buf.numel() * buf.element_size() for buf in buffers)
+
+    def _client(self, endpoint: str) -> dist.TCPStore:
+        client = self._clients.get(endpoint)
+        if client is None:
+            host, port = endpoint.rsplit(":", 1)
+            client = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            self._clients[endpoint] = client
+        return client
+
+    def _drop_pair(self, endpoint: str) -> None:
+        """After a failure: forget the group (and the store client); the next transfer uses a new generation."""
+        with self._lock:
+            generation = self._generations.get(endpoint, 0)
+            self._generations[endpoint] = generation + 1
+            self._groups.pop(f"pair/{self.uid}/{self.rank}/{generation}", None)
+            self._clients.pop(endpoint, None)
+
+    # -- prefill side -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Takes requests off this rank's queue, in order, and hands them to the send pool.
+
+        Polls with `check` (a blocking `wait` that times out logs a warning in c10d each
+        time); the poll interval grows from 1 ms to 20 ms while the queue stays empty."""
+        slot, waiting_since, pause = 1, time.monotonic(), _MIN_POLL_S
+        while not self._closed.wait(pause):
+            key = f"q/{slot}"
+            if not self.store.check([key]):
+                pause = min(pause * 2, _MAX_POLL_S)
+                # Skip a slot whose writer died between reserving and writing it.
+                if (
+                    time.monotonic() - waiting_since > 2 * self.config.timeout_s
+                    and self.store.add(_QUEUE_LEN, 0) > slot
+                ):
+                    slot, waiting_since = slot + 1, time.monotonic()
+                continue
+            request = json.loads(self.store.get(key))
+            self.store.delete_key(key)
+            slot, waiting_since, pause = slot + 1, time.monotonic(), _MIN_POLL_S
+            self._send_pool.submit(self._send, request)
+
+    def _send(self, request: dict) -> None:
+        transfer_id, pair = request["transfer_id"], request["pair"]
+        blocks = self._claim(transfer_id, request["blocks"])
+        try:
+            with self._pair_lock(pair):
+                faults = self.faults
+                if faults.drop:
+                    raise TransferError("dropped by fault injection")
+                if faults.delay_s:
+                    time.sleep(faults.delay_s)
+                group = self._group(pair, self.store, rank=0)
+                self._drop_older_generations(pair)
+                self._send_blocks(group, blocks, request["verify"], faults.corrupt)
+            with self._lock:
+                if blocks is not None:
+                    self._status.finished_sending.add(transfer_id)
+        except Exception as error:
+            logger.warning("KV transfer %s to %s failed: %s", transfer_id, pair, error)
+            with self._lock:
+                self._groups.pop(pair, None)
+                if blocks is not None:
+                    self._status.failed_sending.add(transfer_id)
+        finally:
+            if blocks is not None:
+                with self._lock:
+                    self._sending[transfer_id] -= 1
+                    self._lock.notify_all()
+
+    def _send_blocks(self, group, blocks: tuple[int, ...] | None, verify: bool, corrupt: bool) -> None:
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)
+        if blocks is None:
+            header[0] = _EXPIRED
+            group.send([header], 1, _TAG).wait()
+            return
+        src = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        if verify:  # the checksum goes in the header, so pack every layer first
+            packed = [kv[:, src] for kv in self.kv_caches]
+            crc = 0
+            for buf in packed:
+                crc = zlib.crc32(_bytes(buf), crc)
+            header[:] = torch.tensor([_OK, len(blocks), len(packed), crc])
+            layers = iter(packed)
+        else:
+            header[:] = torch.tensor([_OK, len(blocks), len(self.kv_caches), 0])
+            layers = (kv[:, src] for kv in self.kv_caches)  # packed one by one, while the previous is in flight
+        group.send([header], 1, _TAG).wait()
+        works, in_flight = [], []
+        for index, buf in enumerate(layers):
+            if corrupt and index == 0:
+                buf.view(torch.uint8).view(-1)[0] ^= 0xFF
+            works.append(group.send([buf], 1, _TAG))
+            in_flight.append(buf)  # keep each buffer alive until its send completes
+        for work in works:
+            work.wait()
+        ack = torch.zeros(1, dtype=torch.int64, device=self.device)
+        group.recv([ack], 1, _TAG).wait()
+
+    def _claim(self, transfer_id: str, requested: list[int]) -> tuple[int, ...] | None:
+        """The requested blocks, pinned against release, if the lease still holds them."""
+        with self._lock:
+            leased = self._leases.get(transfer_id)
+            if leased is None or not set(requested) <= set(leased):
+                return None
+            self._sending[transfer_id] = self._sending.get(transfer_id, 0) + 1
+            return tuple(requested)
+
+    def _drop_older_generations(self, pair: str) -> None:
+        prefix, _, generation = pair.rpartition("/")
+        with self._lock:
+            for key in [k for k in self._groups if k.rpartition("/")[0] == prefix and k != pair]:
+                del self._groups[key]
+
+    # -- groups -----------------------------------------------------------------------
+
+    def _group(self, pair: str, store: dist.Store, rank: int) -> dist.ProcessGroup:
+        with self._lock:
+            group = self._groups.get(pair)
+        if group is None:
+            prefixed = dist.PrefixStore(pair, store)
+            if self.device.type == "cuda":
+                group = dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
+            else:
+                group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
+            with self._lock:
+                self._groups[pair] = group
+        return group
+
+    def _pair_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._pair_locks.setdefault(key, threading.Lock())
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().view(torch.uint8).cpu().numpy())

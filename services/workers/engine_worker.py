@@ -1,0 +1,132 @@
+"""A Ray Serve replica that holds one engine (`AsyncLLM`) in a colocated, prefill or
+decode role, registers itself with the router's Redis registry, publishes its KV events
+and load, and streams outputs back to the gateway.
+
+A plain class: the constructor is synchronous and takes its dependencies, so unit tests
+build it without Ray; `services/app/builder.py` turns it into a Serve deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from ..engine.async_llm import AsyncLLM
+from ..engine.config import EngineConfig
+from ..engine.engine_core import EngineStats
+from ..engine.outputs import RequestOutput
+from ..router.config import RouterConfig
+from ..router.worker_agent import WorkerAgent
+from ..router.worker_info import WorkerInfo, WorkerRole, new_epoch
+from ..serving_errors import ServerOverloadedError
+from .messages import GenerateCall, WorkerModelInfo
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"colocated": WorkerRole.BOTH, "prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE}
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        role: str,
+        engine_config: EngineConfig,
+        served_model_name: str,
+        router_config: RouterConfig | None = None,
+        max_waiting_requests: int = 512,
+        replica_id: str | None = None,
+    ) -> None:
+        self.role = role
+        self.served_model_name = served_model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.agent: WorkerAgent | None = None
+        address = replica_id or _serve_replica_id() or f"local-{uuid.uuid4().hex[:8]}"
+        self.info = WorkerInfo(
+            name=f"{role}-{address.rsplit('#', 1)[-1]}",
+            epoch=new_epoch(),
+            role=_ROLES[role],
+            model=served_model_name,
+            block_size=engine_config.cache.block_size,
+            tp_size=engine_config.parallel.tensor_parallel_size,
+            address=address,
+        )
+        if router_config is not None:
+            self.agent = WorkerAgent.from_config(router_config, self.info)
+        self.engine = AsyncLLM(engine_config, kv_event_publisher=self.agent.publisher if self.agent else None)
+        if self.agent is not None:
+            self.agent.start(self.engine.stats)
+        logger.info("engine worker %s (%s) ready", self.info.worker_id, role)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; if the caller goes away, the request is aborted."""
+        self._check_capacity()
+        stream = self.engine.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        found = self.engine.has_request(request_id)
+        self.engine.abort(request_id)
+        return found
+
+    async def model_info(self) -> WorkerModelInfo:
+        core = self.engine.engine
+        return WorkerModelInfo(
+            model=self.served_model_name,
+            max_model_len=core.max_model_len,
+            block_size=core.config.cache.block_size,
+            tensor_parallel_size=core.config.parallel.tensor_parallel_size,
+            vocab_size=core.arch.vocab_size,
+            role=self.role,
+            worker_id=self.worker_id,
+        )
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def check_integrity(self) -> EngineStats:
+        """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
+        return await self.engine.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: a dead engine restarts the replica."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"engine of worker {self.worker_id} is not running")
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        agent, self.agent = getattr(self, "agent", None), None
+        if agent is not None:
+            agent.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
+
+    def _check_capacity(self) -> None:
+        stats = self.engine.stats()
+        queued = self.engine.num_open_requests - stats.num_running
+        if queued >= self.max_waiting_requests:
+            raise ServerOverloadedError(
+                f"worker {self.worker_id} has {queued} queued requests (limit {self.max_waiting_requests}); retry later"
+            )
+
+
+def _serve_replica_id() -> str | None:
+    """This replica's full Ray Serve id, when running inside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:  # not inside a Serve replica
+        return None

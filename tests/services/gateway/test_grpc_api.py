@@ -1,0 +1,215 @@
+"""The gRPC API on a real local Ray Serve deployment: equals the offline engine, streams
+correctly, reports usage, maps every error, frees blocks on cancel and on deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from baton.services.client import BatonClient
+from baton.services.engine import LLM, SamplingParams
+from baton.v1 import inference_pb2 as pb
+from testlib.baton_client import collect, greedy_request, worker_stats
+from testlib.models import tiny_model
+
+pytestmark = pytest.mark.ray
+PROMPTS = ["def foo(x):", "The quick brown fox", "import os\nimport sys\n", "Hello there, how are you"]
+
+
+@pytest.fixture(scope="module")
+def client(baton_app):
+    client = BatonClient(baton_app.grpc_address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=128, max_model_len=256)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    return {p: out for p, out in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+def wait_for_free_blocks(timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats()
+        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_greedy_equals_offline_engine_and_deltas_add_up(client, offline):
+    for prompt in PROMPTS:
+        responses = collect(client, greedy_request(prompt))
+        tokens = [t for r in responses for t in r.token_ids]
+        assert tokens == offline[prompt].token_ids
+        assert "".join(r.text for r in responses) == offline[prompt].text
+        last = responses[-1]
+        assert last.finish_reason == "length"
+        assert last.usage.prompt_tokens == len(offline[prompt].prompt_token_ids)
+        assert last.usage.completion_tokens == 16
+        assert last.timings.time_to_first_token_s > 0 and last.timings.total_s >= last.timings.time_to_first_token_s
+        assert all(not r.HasField("usage") for r in responses[:-1])
+        assert len({r.request_id for r in responses}) == 1
+
+
+def test_token_id_prompt_and_cached_tokens(client, offline):
+    prompt_ids = offline[PROMPTS[2]].prompt_token_ids * 4  # > 2 blocks
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParameters(max_tokens=4, temperature=0)
+    )
+    first = collect(client, request)[-1]
+    second = collect(client, request)[-1]
+    assert first.usage.prompt_tokens == len(prompt_ids)
+    assert second.usage.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
+
+
+def test_n_samples_stream_with_their_index(client):
+    request = pb.GenerateRequest(
+        text="Once", sampling=pb.SamplingParameters(max_tokens=6, temperature=1.0, n=3, seed=5)
+    )
+    responses = collect(client, request)
+    per_index = {i: [t for r in responses if r.index == i for t in r.token_ids] for i in range(3)}
+    assert all(len(tokens) == 6 for tokens in per_index.values())
+    assert responses[-1].usage.completion_tokens == 18
+
+
+def test_logprobs_stream(client):
+    responses = collect(client, greedy_request("Hello", max_tokens=3, logprobs=2))
+    entries = [lp for r in responses for lp in r.logprobs]
+    assert len(entries) == 3
+    assert all(e.rank == 1 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token_id == e.token_id for e in entries)
+
+
+def test_tokenize_and_model_info(client):
+    tokens = client.stub.Tokenize(pb.TokenizeRequest(text="def foo(x):"), metadata=client.metadata)
+    assert tokens.count == len(tokens.token_ids) > 0
+    info = client.model_info()
+    assert (info.model, info.max_context_length, info.block_size, info.tensor_parallel_size) == (
+        "baton-tiny",
+        256,
+        16,
+        1,
+    )
+    assert list(info.roles) == ["colocated"] and info.mode == "colocated"
+
+
+def test_health_check(baton_app):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(baton_app.grpc_address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), metadata=(("application", "baton"),)
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    "sampling,field",
+    [
+        (pb.SamplingParameters(temperature=-1), "temperature"),
+        (pb.SamplingParameters(top_p=0), "top_p"),
+        (pb.SamplingParameters(top_k=0), "top_k"),
+        (pb.SamplingParameters(max_tokens=0), "max_tokens"),
+        (pb.SamplingParameters(n=0), "n"),
+        (pb.SamplingParameters(stop_token_ids=[99999]), "stop_token_ids"),
+    ],
+)
+def test_invalid_parameters_are_invalid_argument_naming_the_field(client, sampling, field):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, pb.GenerateRequest(text="hi", sampling=sampling))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+def test_unset_fields_mean_defaults_not_zero(client):
+    responses = collect(client, pb.GenerateRequest(text="hi"))  # max_tokens 16, temperature 1.0
+    assert sum(len(r.token_ids) for r in responses) in range(1, 17)
+
+
+def test_prompt_over_the_context_limit(client):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 300)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "300" in info.value.details() and "256" in info.value.details()
+
+
+def test_missing_prompt(client):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, pb.GenerateRequest())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+
+
+def test_cancelled_stream_frees_its_blocks(client):
+    stream = client.generate(greedy_request("a long story", max_tokens=200))
+    next(stream)
+    stream.cancel()
+    stats = wait_for_free_blocks()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0
+
+
+def test_deadline_is_honoured_and_frees_blocks(client):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, greedy_request("a long story", max_tokens=230), timeout=0.05)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = wait_for_free_blocks()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_abort_by_id(client):
+    stream = client.generate(
+        pb.GenerateRequest(
+            request_id="to-abort",
+            text="story",
+            sampling=pb.SamplingParameters(max_tokens=230, temperature=0, ignore_eos=True),
+        )
+    )
+    next(stream)
+    assert client.stub.Abort(pb.AbortRequest(request_id="to-abort"), metadata=client.metadata).found
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert not client.stub.Abort(pb.AbortRequest(request_id="to-abort"), metadata=client.metadata).found
+    wait_for_free_blocks()
+
+
+def test_overload_is_resource_exhausted(client):
+    # More concurrent requests than max_num_seqs (16) + max_waiting_requests (40).
+    streams = [client.generate(greedy_request(f"busy {i}", max_tokens=200)) for i in range(70)]
+    codes = []
+
+    def drain(stream):
+        try:
+            for _ in stream:
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=drain, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert codes.count(grpc.StatusCode.OK) >= 16
+    wait_for_free_blocks()
+
+
+def test_fifty_concurrent_streams(client, offline):
+    results: dict[int, list[int]] = {}
+
+    def run(i: int):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        results[i] = [t for r in collect(client, greedy_request(prompt)) for t in r.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(results) == 50
+    for i, tokens in results.items():
+        assert tokens == offline[PROMPTS[i % len(PROMPTS)]].token_ids

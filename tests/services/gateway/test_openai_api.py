@@ -1,0 +1,155 @@
+"""The OpenAI-compatible HTTP API, driven by the unmodified `openai` client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.tokenizer import load_tokenizer
+from testlib.baton_client import worker_stats
+from testlib.models import tiny_model
+
+pytestmark = pytest.mark.ray
+MODEL = "baton-tiny"
+
+
+@pytest.fixture(scope="module")
+def client(baton_app):
+    return openai.OpenAI(base_url=f"{baton_app.http_address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(model=str(tiny_model("llama")), num_kv_blocks=128, max_model_len=256)
+
+
+def greedy(llm, prompt, max_tokens=12):
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion(client, offline):
+    expected = greedy(offline, "def foo(x):")
+    response = client.completions.create(
+        model=MODEL, prompt="def foo(x):", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 12
+
+
+def test_completion_streaming(client, offline):
+    expected = greedy(offline, "The quick brown fox")
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_completion(client, offline):
+    messages = [{"role": "user", "content": "Say something"}]
+    prompt_ids = load_tokenizer(tiny_model("llama")).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    expected = greedy(offline, prompt_ids)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_bad_parameter_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "temperature" and "temperature" in info.value.body["message"]
+
+
+def test_malformed_body_is_400(baton_app):
+    reply = httpx.post(f"{baton_app.http_address}/v1/completions", json={"model": MODEL, "max_tokens": "many"})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_over_the_context_limit_is_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[7] * 300, max_tokens=4)
+    assert "300" in info.value.body["message"] and "256" in info.value.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-7", prompt="hi")
+
+
+def test_overload_is_429(baton_app):
+    codes = []
+
+    def post(i):
+        body = {"model": MODEL, "prompt": f"busy {i}", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        codes.append(httpx.post(f"{baton_app.http_address}/v1/completions", json=body, timeout=120).status_code)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(70)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert 429 in codes and codes.count(200) >= 16
+
+
+def test_client_disconnect_aborts_and_frees_blocks(baton_app):
+    body = {
+        "model": MODEL,
+        "prompt": "a long story",
+        "max_tokens": 230,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{baton_app.http_address}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())
+    deadline = time.monotonic() + 10
+    while True:
+        stats = worker_stats()
+        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)

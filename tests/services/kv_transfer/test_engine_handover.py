@@ -1,0 +1,195 @@
+"""The handover between two in-process engines (prefill producer, decode consumer) over the
+torch.distributed transport (gloo): same tokens as one engine, byte-identical blocks, and
+every failure path ending in a correct, recomputed answer with all blocks back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine_core import EngineCore
+from baton.services.kv_transfer.config import FaultInjection
+
+PROMPT = list(range(100, 171))  # 71 tokens: 4 full blocks of 16 and a partial one
+MAX_TOKENS = 12
+
+
+def engine(model_dir, role: str, **kv) -> EngineCore:
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), num_kv_blocks=64, block_size=16, role=role, allow_fault_injection=True, **kv
+    )
+    return EngineCore(config)
+
+
+def run(engines, until, timeout_s: float = 30.0) -> dict:
+    """Steps every engine until `until(finished)` holds; returns finished outputs by id."""
+    finished = {}
+    deadline = time.monotonic() + timeout_s
+    while not until(finished):
+        assert time.monotonic() < deadline, "timed out"
+        for e in engines:
+            for out in e.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        time.sleep(0.001)
+    return finished
+
+
+def prefill(p: EngineCore, request_id: str, prompt=PROMPT, seed=None):
+    params = SamplingParams(max_tokens=1, temperature=0 if seed is None else 1.0, seed=seed)
+    p.submit(p.prepare(request_id, prompt, params, kv_lease=True))
+    return run([p], lambda f: request_id in f)[request_id]
+
+
+def decode(d: EngineCore, p: EngineCore, request_id: str, first, prompt=PROMPT, seed=None):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0 if seed is None else 1.0, seed=seed, ignore_eos=True)
+    d.submit(d.prepare(request_id, prompt, params, output_prefix=first.token_ids, remote_kv=first.kv_transfer_params))
+    return run([d, p], lambda f: request_id in f)[request_id]
+
+
+def settle(*engines, timeout_s: float = 30.0) -> None:
+    """Steps until no transfer or lease is left, then checks that every block is free."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.needs_polling() or e.has_unfinished_requests() for e in engines):
+        assert time.monotonic() < deadline, [e.stats() for e in engines]
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
+    for e in engines:
+        e.check_integrity()
+        assert e.scheduler.kv.num_free_blocks == e.num_kv_blocks
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    llm = LLM(model=str(llama_dir), num_kv_blocks=64)
+    return llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].token_ids
+
+
+@pytest.fixture
+def pair(llama_dir):
+    p, d = engine(llama_dir, "producer"), engine(llama_dir, "consumer")
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def test_handover_equals_one_engine_and_blocks_are_identical(pair, expected):
+    p, d = pair
+    first = prefill(p, "r1")
+    params = first.kv_transfer_params
+    assert params is not None and params.num_tokens == len(PROMPT) and len(params.block_ids) == 5
+    out = decode(d, p, "r1", first)
+    assert first.token_ids + out.token_ids == expected
+    assert out.kv_path == "transferred"
+    # The decode side's blocks for the prompt hold exactly the prefill side's bytes.
+    received = d.scheduler.kv.pool.cached_block_hashes()
+    assert len(received) >= 4  # the full prompt blocks are now in d's prefix cache
+    settle(p, d)
+    assert d.stats().kv_recv_ok == 1 and d.stats().kv_bytes_received > 0
+
+
+def test_received_bytes_equal_sent_bytes(pair):
+    p, d = pair
+    first = prefill(p, "r2")
+    src_blocks = torch.tensor(first.kv_transfer_params.block_ids)
+    sent = [kv[:, src_blocks].clone() for kv in p.executor.worker.runner.kv_caches]
+    d.submit(
+        d.prepare(
+            "r2",
+            PROMPT,
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+            output_prefix=first.token_ids,
+            remote_kv=first.kv_transfer_params,
+        )
+    )
+    while "r2" not in d.scheduler.requests or d.scheduler.requests["r2"].kv_path is None:
+        d.step()
+        p.step()
+    dst_blocks = torch.tensor(d.scheduler.kv.get_block_ids("r2")[:5])
+    for layer, kv in enumerate(d.executor.worker.runner.kv_caches):
+        got = kv[:, dst_blocks]
+        # Whole blocks for the 4 full ones; the partial 5th only up to the prompt's end.
+        assert torch.equal(got[:, :4], sent[layer][:, :4])
+        assert torch.equal(got[:, 4, : len(PROMPT) - 64], sent[layer][:, 4, : len(PROMPT) - 64])
+    run([d, p], lambda f: "r2" in f)
+    settle(p, d)
+
+
+def test_local_prefix_hit_transfers_only_the_rest(pair, expected):
+    p, d = pair
+    d.add_request("warm", PROMPT[:40], SamplingParams(max_tokens=1))  # caches two blocks of the prompt
+    run([d], lambda f: "warm" in f)
+    first = prefill(p, "r3")
+    out = decode(d, p, "r3", first)
+    assert first.token_ids + out.token_ids == expected
+    assert out.num_cached_tokens == 32  # two blocks were already on the decode side
+    settle(p, d)
+
+
+def test_seeded_sampling_continues_across_the_handover(pair, llama_dir):
+    p, d = pair
+    llm = LLM(model=str(llama_dir), num_kv_blocks=64)
+    one = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9, ignore_eos=True))[0]
+    first = prefill(p, "r4", seed=9)
+    out = decode(d, p, "r4", first, seed=9)
+    assert first.token_ids + out.token_ids == one.token_ids
+    settle(p, d)
+
+
+@pytest.mark.parametrize(
+    "faults,kv",
+    [
+        (FaultInjection(drop=True), {"timeout_s": 1.0}),
+        (FaultInjection(delay_s=2.0), {"timeout_s": 0.5}),
+        (FaultInjection(corrupt=True), {"verify": True}),
+    ],
+    ids=["dropped", "delayed-past-timeout", "corrupted-in-verify-mode"],
+)
+def test_failed_transfers_are_recomputed(llama_dir, expected, faults, kv):
+    p, d = engine(llama_dir, "producer", **kv), engine(llama_dir, "consumer", **kv)
+    try:
+        p.executor.set_kv_faults(faults)
+        first = prefill(p, "f")
+        out = decode(d, p, "f", first)
+        assert first.token_ids + out.token_ids == expected
+        assert out.kv_path == "recomputed"
+        assert d.stats().kv_recv_failed == 1
+        settle(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_unclaimed_lease_expires(llama_dir):
+    p = engine(llama_dir, "producer", lease_s=0.3)
+    try:
+        prefill(p, "nobody-comes")
+        assert p.stats().num_kv_leases == 1
+        settle(p)
+        assert p.stats().kv_leases_expired == 1
+    finally:
+        p.shutdown()
+
+
+def test_abort_while_receiving_frees_blocks_after_the_receive(pair):
+    p, d = pair
+    p.executor.set_kv_faults(FaultInjection(delay_s=0.5))
+    first = prefill(p, "a")
+    d.submit(
+        d.prepare(
+            "a",
+            PROMPT,
+            SamplingParams(max_tokens=MAX_TOKENS),
+            output_prefix=first.token_ids,
+            remote_kv=first.kv_transfer_params,
+        )
+    )
+    d.step()  # admitted: blocks allocated, receive started
+    assert d.stats().num_kv_receiving == 1
+    d.abort_request("a")
+    assert d.scheduler.kv.num_free_blocks < d.num_kv_blocks  # parked until the receive ends
+    settle(p, d)
