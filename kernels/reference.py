@@ -38,7 +38,7 @@ def reshape_and_cache_ref(
 # Decode requests are attended in groups of this many, sorted by context length: each
 # group pads only to its own longest context, and its gathered K/V stay small enough for
 # malloc to reuse (on CPU this made a 64-request decode step 20x faster than one padded batch).
-DECODE_GROUP_SIZE = 8
+DECODE_GROUP_SIZE = 4
 
 
 def gather_context_ref(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -60,20 +60,23 @@ def paged_decode_attention_ref(
     """One query token per request ([R, H, D]) against its whole paged context. Slots past
     a request's length are masked out, but must hold finite values (engine caches do)."""
     out = torch.empty_like(query)
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
     lengths = seq_lens.tolist()
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     for begin in range(0, len(order), DECODE_GROUP_SIZE):
-        group = order[begin : begin + DECODE_GROUP_SIZE]
-        index = torch.tensor(group, device=query.device)
-        max_len = lengths[group[-1]]
+        rows = order[begin : begin + DECODE_GROUP_SIZE]
+        index = torch.tensor(rows, device=query.device)
+        max_len = lengths[rows[-1]]
         keys = gather_context_ref(key_cache, block_tables[index], max_len).transpose(1, 2)
         values = gather_context_ref(value_cache, block_tables[index], max_len).transpose(1, 2)
         positions = torch.arange(max_len, device=query.device)
         mask = (positions[None, :] < seq_lens[index, None].to(positions.device))[:, None, None, :]
-        attended = F.scaled_dot_product_attention(
-            query[index, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[index] = attended[:, :, 0, :]
+        # GQA: the query heads sharing a KV head become that head's "query positions"
+        # ([R, H_kv, group, D]), so K/V are never repeated per query head.
+        grouped = query[index].view(len(rows), num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        out[index] = attended.reshape(len(rows), -1, head_dim)
     return out
 
 

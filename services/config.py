@@ -27,6 +27,7 @@ from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig,
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Role = Literal["colocated", "prefill", "decode"]
+_KV_ROLES = {"colocated": "none", "prefill": "producer", "decode": "consumer"}
 
 
 class ServerConfig(BaseModel):
@@ -129,12 +130,21 @@ class BatonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _roles_agree(self) -> BatonConfig:
-        for role in self.roles:
-            engine = self.engine_config(role)  # validates the merged overrides
+        engines = {role: self.engine_config(role) for role in self.roles}  # validates the merged overrides
+        for role, engine in engines.items():
             if engine.model.model != self.engine.model.model:
                 raise ValueError(f"{role}.engine_overrides must not change the model")
             if engine.cache.block_size != self.engine.cache.block_size:
                 raise ValueError(f"{role}.engine_overrides must not change block_size: prefill and decode share it")
+            if engine.model.dtype != self.engine.model.dtype:
+                raise ValueError(f"{role}.engine_overrides must not change dtype: the KV handover copies raw bytes")
+        if self.mode == "disaggregated":
+            tp = {role: engines[role].parallel.tensor_parallel_size for role in ("prefill", "decode")}
+            if tp["prefill"] != tp["decode"]:
+                raise ValueError(
+                    f"prefill tensor_parallel_size ({tp['prefill']}) != decode ({tp['decode']}): rank i of a "
+                    "prefill group sends its heads to rank i of the decode group, so the sizes must match"
+                )
         return self
 
     @property
@@ -149,8 +159,10 @@ class BatonConfig(BaseModel):
         return getattr(self, role)
 
     def engine_config(self, role: Role) -> EngineConfig:
+        """The shared engine section, the role's overrides, and the role's side of the handover."""
         overrides = self.deployment(role).engine_overrides
         merged = _deep_merge(self.engine.model_dump(), overrides)
+        merged["kv_transfer"] = {**merged.get("kv_transfer", {}), "role": _KV_ROLES[role]}
         return EngineConfig.model_validate(merged)
 
     def router_config(self) -> RouterConfig:

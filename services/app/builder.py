@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import BatonConfig, Role
 from ..gateway.gateway import Gateway
-from ..gateway.placement import ColocatedPlacement, Placement
+from ..gateway.placement import ColocatedPlacement, DisaggregatedPlacement, Placement
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -27,7 +27,7 @@ class ServeGateway(Gateway):
 def make_placement(mode: str, workers: dict[str, Any]) -> Placement:
     if mode == "colocated":
         return ColocatedPlacement(workers["colocated"])
-    raise ValueError(f"mode {mode!r} is not available in this build")
+    return DisaggregatedPlacement(workers["prefill"], workers["decode"])
 
 
 def build_app(config: BatonConfig):

@@ -99,6 +99,7 @@ class LocalDeployment:
         http_port = server.http_port or free_port()
         grpc_port = server.grpc_port or free_port()
         serve.start(
+            proxy_location="HeadOnly",  # one proxy: several nodes on one machine would clash on the ports
             http_options={"host": server.http_host, "port": http_port, "request_timeout_s": server.request_timeout_s},
             grpc_options=gRPCOptions(
                 port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ..kv_transfer.types import KVTransferStatus
 from ..model.config import ModelArch
 from ..ray_env import ensure_ray
 from .config import EngineConfig
@@ -43,6 +44,7 @@ class RayTPExecutor(Executor):
         self._remove_placement_group = remove_placement_group
         self.config = config
         self.world_size = size = config.parallel.tensor_parallel_size
+        self._transfers = TransferStatusMerger(size)
         self.timeout_s = config.parallel.worker_timeout_s
         use_gpu = _wants_gpu(config, ray)
         resource = "GPU" if use_gpu else "CPU"
@@ -83,6 +85,8 @@ class RayTPExecutor(Executor):
             self._wait_all([w.init_distributed.remote(f"tcp://{host}:{port}") for w in self.workers])
             self.num_kv_blocks = min(self._wait_all([w.load_model.remote() for w in self.workers]))
             self._wait_all([w.initialize_kv_cache.remote(self.num_kv_blocks) for w in self.workers])
+            endpoints = self._wait_all([w.kv_endpoint.remote() for w in self.workers])
+            self.kv_endpoints = tuple(endpoints) if all(endpoints) else ()
         except BaseException:
             self.shutdown()
             raise
@@ -92,7 +96,14 @@ class RayTPExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ref = self.ray.put(scheduler_output)  # serialised once for every rank
-        return self._wait_all([w.execute_model.remote(ref) for w in self.workers])[0]
+        outputs = self._wait_all([w.execute_model.remote(ref) for w in self.workers])
+        result = outputs[0]
+        if any(o.kv_transfer for o in outputs):
+            result.kv_transfer = self._transfers.merge([o.kv_transfer for o in outputs])
+        return result
+
+    def set_kv_faults(self, faults) -> None:
+        self._wait_all([w.set_kv_faults.remote(faults) for w in self.workers])
 
     def named_parameters(self) -> list[dict]:
         """Every rank's parameters (for inspection and tests)."""
@@ -137,3 +148,42 @@ def _wants_gpu(config: EngineConfig, ray) -> bool:
     if config.runner.device == "cpu":
         return False
     return ray.cluster_resources().get("GPU", 0) >= config.parallel.tensor_parallel_size
+
+
+class TransferStatusMerger:
+    """Every rank moves its own heads' share of a transfer. A transfer is over once every
+    rank has reported it (in any step); it succeeded only if every rank succeeded."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._recv: dict[str, dict[int, str | None]] = {}  # request id -> rank -> failure (None: ok)
+        self._send: dict[str, dict[int, bool]] = {}  # transfer id -> rank -> ok
+
+    def merge(self, statuses: list[KVTransferStatus | None]) -> KVTransferStatus:
+        merged = KVTransferStatus()
+        for rank, status in enumerate(statuses):
+            if status is None:
+                continue
+            for request_id in status.finished_recving:
+                self._recv.setdefault(request_id, {})[rank] = None
+            for request_id, reason in status.failed_recving.items():
+                self._recv.setdefault(request_id, {})[rank] = reason
+            for transfer_id in status.finished_sending:
+                self._send.setdefault(transfer_id, {})[rank] = True
+            for transfer_id in status.failed_sending:
+                self._send.setdefault(transfer_id, {})[rank] = False
+            merged.bytes_received += status.bytes_received
+            merged.recv_seconds = max(merged.recv_seconds, status.recv_seconds)
+        for request_id, ranks in list(self._recv.items()):
+            if len(ranks) == self.world_size:
+                failures = [reason for reason in ranks.values() if reason is not None]
+                if failures:
+                    merged.failed_recving[request_id] = failures[0]
+                else:
+                    merged.finished_recving.add(request_id)
+                del self._recv[request_id]
+        for transfer_id, ranks in list(self._send.items()):
+            if len(ranks) == self.world_size:
+                (merged.finished_sending if all(ranks.values()) else merged.failed_sending).add(transfer_id)
+                del self._send[transfer_id]
+        return merged

@@ -7,13 +7,14 @@ router's request router does when one is configured). The disaggregated placemen
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.outputs import RequestOutput
-from ..workers.messages import GenerateCall, WorkerModelInfo
+from ..workers.messages import DecodeCall, GenerateCall, WorkerModelInfo
 
 
 @dataclass(slots=True)
@@ -71,3 +72,65 @@ class ColocatedPlacement(Placement):
     @property
     def roles(self) -> list[str]:
         return ["colocated"]
+
+
+class DisaggregatedPlacement(Placement):
+    """Prefill on one deployment, decode on another, the KV cache handed over between them.
+
+        prefill.prefill(call)  -> first token (streamed at once) + where the prompt's K/V is
+        decode.decode(call, first token, K/V params) -> the rest; the decode worker fetches the
+        K/V (or recomputes the prompt if the transfer fails)
+
+    Requests with n > 1 or beam search run whole on a decode worker (kv_path "local").
+    """
+
+    def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
+        self.prefill = prefill_handle
+        self.decode = decode_handle
+
+    async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        if call.params.n > 1 or call.params.use_beam_search:
+            trace.kv_path = "local"
+            async for output in ColocatedPlacement(self.decode).stream(call, trace):
+                yield output
+            return
+        first = await self.prefill.prefill.remote(call)
+        kv = first.kv_transfer_params
+        if kv is None:  # it ended at the first token: nothing to hand over
+            trace.kv_path = "prefill-only"
+            yield first
+            return
+        trace.prefill_worker = kv.source_worker_id
+        yield _unfinished(first)
+        response = self.decode.options(stream=True).decode.remote(DecodeCall(call, first.token_ids, kv))
+        finished = False
+        try:
+            async for output in response:
+                finished = output.finished
+                trace.kv_path = output.kv_path or trace.kv_path
+                output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
+                yield output
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def model_info(self) -> WorkerModelInfo:
+        return await self.decode.model_info.remote()
+
+    async def is_healthy(self) -> bool:
+        try:
+            await self.prefill.stats.remote()
+            await self.decode.stats.remote()
+        except Exception:  # a role without an answering replica
+            return False
+        return True
+
+    @property
+    def roles(self) -> list[str]:
+        return ["prefill", "decode"]
+
+
+def _unfinished(output: RequestOutput) -> RequestOutput:
+    """The prefill side's output as the first delta of a request that goes on."""
+    completions = [dataclasses.replace(c, finish_reason=None, stop_reason=None) for c in output.outputs]
+    return dataclasses.replace(output, outputs=completions, finished=False)

@@ -8,6 +8,7 @@ build it without Ray; `services/app/builder.py` turns it into a Serve deployment
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -16,11 +17,12 @@ from ..engine.async_llm import AsyncLLM
 from ..engine.config import EngineConfig
 from ..engine.engine_core import EngineStats
 from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import RequestOutputKind
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, WorkerRole, new_epoch
 from ..serving_errors import ServerOverloadedError
-from .messages import GenerateCall, WorkerModelInfo
+from .messages import DecodeCall, GenerateCall, WorkerModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,11 @@ class EngineWorker:
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
         self.agent: WorkerAgent | None = None
-        address = replica_id or _serve_replica_id() or f"local-{uuid.uuid4().hex[:8]}"
+        serve_name, serve_address = _serve_identity()
+        address = replica_id or serve_address or f"local-{uuid.uuid4().hex[:8]}"
         self.info = WorkerInfo(
-            name=f"{role}-{address.rsplit('#', 1)[-1]}",
+            # A replica's rank is its stable slot: its replacement's new epoch wipes its entries at once.
+            name=f"{role}-{serve_name}" if serve_name else f"{role}-{address.rsplit('#', 1)[-1]}",
             epoch=new_epoch(),
             role=_ROLES[role],
             model=served_model_name,
@@ -54,6 +58,7 @@ class EngineWorker:
         if router_config is not None:
             self.agent = WorkerAgent.from_config(router_config, self.info)
         self.engine = AsyncLLM(engine_config, kv_event_publisher=self.agent.publisher if self.agent else None)
+        self.engine.engine.worker_id = self.info.worker_id
         if self.agent is not None:
             self.agent.start(self.engine.stats)
         logger.info("engine worker %s (%s) ready", self.info.worker_id, role)
@@ -72,6 +77,46 @@ class EngineWorker:
         finally:
             await stream.aclose()
 
+    async def prefill(self, call: GenerateCall) -> RequestOutput:
+        """Prefill role: runs the prompt and samples the first token. When the request goes
+        on, the prompt's blocks stay leased and the output's `kv_transfer_params` say where."""
+        self._check_capacity()
+        params = dataclasses.replace(call.params, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        continues = (call.params.max_tokens or 2) > 1
+        stream = self.engine.add_request(
+            call.request_id, call.prompt_token_ids, params, call.cache_salt, kv_lease=continues
+        )
+        try:
+            async for output in stream:
+                if output.finished:
+                    return output
+        finally:
+            await stream.aclose()
+        raise RuntimeError(f"prefill of {call.request_id} ended without output")
+
+    async def decode(self, decode: DecodeCall) -> AsyncIterator[RequestOutput]:
+        """Decode role: receives the prompt's K/V from the prefill worker (or recomputes it if
+        the transfer fails) and streams the tokens after the first."""
+        self._check_capacity()
+        call = decode.call
+        stream = self.engine.add_request(
+            call.request_id,
+            call.prompt_token_ids,
+            call.params,
+            call.cache_salt,
+            output_prefix=decode.first_token_ids,
+            remote_kv=decode.kv,
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def set_kv_faults(self, faults) -> None:
+        """Test hook: fault injection on this worker's KV sends (needs kv_transfer.allow_fault_injection)."""
+        await self.engine.run_in_engine(lambda core: core.executor.set_kv_faults(faults))
+
     async def abort(self, request_id: str) -> bool:
         found = self.engine.has_request(request_id)
         self.engine.abort(request_id)
@@ -87,6 +132,7 @@ class EngineWorker:
             vocab_size=core.arch.vocab_size,
             role=self.role,
             worker_id=self.worker_id,
+            address=self.info.address,
         )
 
     async def stats(self) -> EngineStats:
@@ -122,11 +168,13 @@ class EngineWorker:
             )
 
 
-def _serve_replica_id() -> str | None:
-    """This replica's full Ray Serve id, when running inside Serve."""
+def _serve_identity() -> tuple[str | None, str | None]:
+    """(rank, full replica id) when running inside a Ray Serve replica; the full id is also
+    the replica's actor name, which is how the serving layer reaches it."""
     try:
         from ray import serve
 
-        return serve.get_replica_context().replica_id.to_full_id_str()
+        context = serve.get_replica_context()
     except Exception:  # not inside a Serve replica
-        return None
+        return None, None
+    return f"r{context.rank.rank}", context.replica_id.to_full_id_str()

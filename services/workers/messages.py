@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.sampling_params import SamplingParams
+from ..kv_transfer.types import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -13,6 +14,15 @@ class GenerateCall:
     prompt_token_ids: list[int]  # tokenized once, by the gateway
     params: SamplingParams  # output_kind DELTA: each streamed output carries only what is new
     cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class DecodeCall:
+    """Continue a request prefilled elsewhere: its first token and where its K/V is."""
+
+    call: GenerateCall
+    first_token_ids: list[int]
+    kv: KVTransferParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +34,4 @@ class WorkerModelInfo:
     vocab_size: int
     role: str
     worker_id: str
+    address: str = ""  # the Ray Serve replica's actor name
