@@ -3,6 +3,7 @@
 baton serve [--config configs/local.yaml] [--model DIR]   run the service locally
 baton generate "prompt" [--max-tokens N ...]              stream a completion over gRPC
 baton make-tiny-model DIR [--arch llama|qwen3]            write a small random model
+baton bench run|compare ...                               load-test a server; compare result files
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .client import generate_to_terminal
 
     return generate_to_terminal(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .loadtest.cli import main as bench_main
+
+    return bench_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-kv-heads", type=int, default=None)
     tiny.set_defaults(func=_make_tiny_model)
+
+    from .loadtest.cli import add_bench_arguments  # argparse only: cheap
+
+    bench = sub.add_parser("bench", help="load-test Baton (gRPC) or any OpenAI-compatible server; compare results")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -110,6 +110,9 @@ class RouterSection(BaseModel):
     redis: RedisConfig | None = Field(
         None, description="Redis for the index and registry; None: `baton serve` starts one"
     )
+    placement: Literal["prefix_aware", "power_of_two"] = Field(
+        "prefix_aware", description="How the gateway picks engine replicas: Baton's router, or Serve's default"
+    )
     index: IndexConfig = IndexConfig()
     policy: PolicyConfig = PolicyConfig()
     worker: WorkerConfig = WorkerConfig()

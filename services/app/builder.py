@@ -43,11 +43,27 @@ def build_app(config: BatonConfig):
 
 def _engine_deployment(config: BatonConfig, role: Role, router_config):
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from .request_router import BatonRequestRouter
 
     section = config.deployment(role)
-    deployment = serve.deployment(
-        EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **section.serve_options()
-    )
+    options = section.serve_options()
+    if router_config is not None and config.router.placement == "prefix_aware":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=BatonRequestRouter,
+            request_router_kwargs={"router_config": _json_config(router_config), "role": role},
+        )
+    deployment = serve.deployment(EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options)
     return deployment.bind(
         role, config.engine_config(role), config.served_model_name, router_config, section.max_waiting_requests
     )
+
+
+def _json_config(router_config) -> dict:
+    """Serve wants JSON request-router kwargs. An explicit Redis password goes in as is (it
+    then shows in Serve's config); prefer `redis.password_env`, which keeps it out."""
+    data = router_config.model_dump(mode="json")
+    if router_config.redis.password is not None:
+        data["redis"]["password"] = router_config.redis.password.get_secret_value()
+    return data

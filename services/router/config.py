@@ -8,6 +8,7 @@ are explained, with the algorithm, in `policy.py`.
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import urlsplit
 
@@ -33,6 +34,11 @@ class RedisConfig(BaseModel):
     url: str = Field("redis://127.0.0.1:6379", description="redis:// or rediss:// (TLS) URL, or unix:// socket path")
     username: str | None = Field(None, description="ACL user name (Redis 6+); None: the default user")
     password: SecretStr | None = Field(None, description="Password; overrides one given in the URL")
+    password_env: str | None = Field(
+        "BATON_REDIS_PASSWORD",
+        description="Environment variable read for the password when `password` is unset (how a Kubernetes "
+        "Secret reaches every process without appearing in the Serve config)",
+    )
     db: int = Field(0, ge=0, description="Database number (ignored by Redis Cluster)")
     tls: bool = Field(False, description="Use TLS (implied by a rediss:// URL)")
     tls_ca_file: str | None = Field(None, description="CA bundle that signs the server's certificate")
@@ -70,6 +76,12 @@ class RedisConfig(BaseModel):
         if self.use_tls and urlsplit(self.url).scheme == "unix":
             raise ValueError("TLS is not available over a unix:// socket")
         return self
+
+    def resolved_password(self) -> str | None:
+        """The password: the explicit one, else the environment variable's (if set and non-empty)."""
+        if self.password is not None:
+            return self.password.get_secret_value()
+        return os.environ.get(self.password_env) or None if self.password_env else None
 
     @property
     def use_tls(self) -> bool:

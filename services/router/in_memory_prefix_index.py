@@ -141,6 +141,13 @@ class InMemoryPrefixIndex(PrefixIndex):
         worker.num_pending_tokens += num_new_tokens
         worker.pending_until_ms = now + int(self.config.pending_ttl_s * 1000)
 
+    def complete_placement(self, worker_id: str, num_new_tokens: int) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.pending_until_ms <= self._clock():
+            return
+        worker.num_pending_requests = max(worker.num_pending_requests - 1, 0)
+        worker.num_pending_tokens = max(worker.num_pending_tokens - num_new_tokens, 0)
+
     def worker_infos(self, worker_ids: Iterable[str]) -> dict[str, WorkerInfo]:
         return {w: self._workers[w].info for w in worker_ids if w in self._workers}
 

@@ -197,6 +197,21 @@ return 1
 """
 )
 
+# ARGV: ns, worker id, new tokens, now ms (-1: Redis TIME). A placed request finished: its
+# pending load goes, unless a load report (or the pending TTL) already cleared it.
+COMPLETE_PLACEMENT = (
+    _PRELUDE
+    + """
+local state = wkey(ARGV[2], 'state')
+local pending = redis.call('HMGET', state, 'requests', 'tokens', 'until')
+if not pending[1] or tonumber(pending[3]) <= clock(ARGV[4]) then return 0 end
+local requests = math.max(tonumber(pending[1]) - 1, 0)
+local tokens = math.max(tonumber(pending[2]) - tonumber(ARGV[3]), 0)
+redis.call('HSET', state, 'requests', requests, 'tokens', tokens)
+return 1
+"""
+)
+
 # ARGV: ns. Wipes every registered worker whose heartbeat has expired; returns how many.
 COLLECT_GARBAGE = (
     _PRELUDE

@@ -115,6 +115,10 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
+    def complete_placement(self, worker_id: str, num_new_tokens: int) -> None:
+        """A placed request finished: its pending load goes (if no load report cleared it yet)."""
+
+    @abstractmethod
     def worker_infos(self, worker_ids: Iterable[str]) -> dict[str, WorkerInfo]:
         """The registry entries of these workers (missing ones are left out)."""
 

@@ -25,8 +25,9 @@ def create_redis_client(config: RedisConfig, socket_timeout_s: float | None = No
     }
     if config.username is not None:
         kwargs["username"] = config.username
-    if config.password is not None:
-        kwargs["password"] = config.password.get_secret_value()
+    password = config.resolved_password()
+    if password is not None:
+        kwargs["password"] = password
     url = config.url
     if config.use_tls:
         parts = urlsplit(url)

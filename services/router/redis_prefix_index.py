@@ -56,7 +56,9 @@ class RedisPrefixIndex(PrefixIndex):
         self._commit_snapshot = register(lua_scripts.COMMIT_SNAPSHOT)
         self._collect_garbage = register(lua_scripts.COLLECT_GARBAGE)
         # The routing path: the query waits for its reply, the placement write does not.
-        self._channel = ScriptChannel(client, [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT])
+        self._channel = ScriptChannel(
+            client, [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT, lua_scripts.COMPLETE_PLACEMENT]
+        )
 
     # -- worker side ------------------------------------------------------------------
 
@@ -128,6 +130,10 @@ class RedisPrefixIndex(PrefixIndex):
             b"".join(block_hashes),
         ]
         self._channel.send(lua_scripts.RECORD_PLACEMENT, args)
+
+    def complete_placement(self, worker_id: str, num_new_tokens: int) -> None:
+        args = [self.keys.namespace, worker_id, num_new_tokens, self._now_ms()]
+        self._channel.send(lua_scripts.COMPLETE_PLACEMENT, args)
 
     def flush(self) -> None:
         """Waits until Redis has applied every placement write (they are sent without waiting)."""

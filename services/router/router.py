@@ -102,24 +102,39 @@ class PrefixRouter:
         return self.route_prefill_hashes(request_id, len(prompt_token_ids), block_hashes)
 
     def route_prefill_hashes(
-        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash], record: bool = True
     ) -> Placement:
-        """For a caller that hashed the prompt already (PromptHasher.block_hashes)."""
+        """For a caller that hashed the prompt already (PromptHasher.block_hashes).
+
+        `record=False` ranks without recording the placement: the caller records the worker
+        that finally took the request with `commit` (Serve may skip the first choice)."""
         if len(block_hashes) != num_prompt_tokens // self.config.block_size:
             raise ValueError(
                 f"{len(block_hashes)} block hashes do not match {num_prompt_tokens} prompt tokens "
                 f"at block_size {self.config.block_size}"
             )
         request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
-        placement = self._route("prefill", self.prefill_policy, request, block_hashes)
+        placement = self._route("prefill", self.prefill_policy, request, block_hashes, record)
         if placement.best is not None:
             self.counters.num_prompt_blocks += len(block_hashes)
             self.counters.num_cached_blocks += placement.best.num_cached_blocks
         return placement
 
-    def route_decode(self, request_id: str, num_prompt_tokens: int) -> Placement:
+    def route_decode(self, request_id: str, num_prompt_tokens: int, record: bool = True) -> Placement:
         request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
-        return self._route("decode", self.decode_policy, request, ())
+        return self._route("decode", self.decode_policy, request, (), record)
+
+    def commit(self, worker: RankedWorker, block_hashes: Sequence[BlockHash] = ()) -> None:
+        """Records that `worker` (from a placement made with record=False) took the request."""
+        self._record(worker, block_hashes)
+
+    def complete(self, worker_id: str, num_new_tokens: int) -> None:
+        """A committed request finished: its pending load leaves the worker's count at once,
+        instead of when the worker's next load report arrives."""
+        try:
+            self.index.complete_placement(worker_id, num_new_tokens)
+        except redis.RedisError as e:
+            self._on_redis_error(e)
 
     def worker_info(self, worker_id: str) -> WorkerInfo | None:
         return self._infos.get(worker_id)
@@ -147,14 +162,19 @@ class PrefixRouter:
     # -- internals --------------------------------------------------------------------
 
     def _route(
-        self, role: str, policy: RoutingPolicy, request: RoutingRequest, block_hashes: Sequence[BlockHash]
+        self,
+        role: str,
+        policy: RoutingPolicy,
+        request: RoutingRequest,
+        block_hashes: Sequence[BlockHash],
+        record: bool = True,
     ) -> Placement:
         views = self._query(role, block_hashes)
         if views is None:
             placement = self._fallback(role, policy, request)
         else:
             placement = policy.rank(request, views)
-            if placement.best is not None:
+            if record and placement.best is not None:
                 self._record(placement.best, block_hashes)
         self.counters.decisions[role, placement.reason.value] += 1
         self._maybe_collect_garbage()

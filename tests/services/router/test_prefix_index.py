@@ -138,6 +138,22 @@ def test_pending_placements_count_until_a_newer_load_report(setup):
     assert index.query("prefill", [])[0].num_pending_requests == 0
 
 
+def test_completed_placements_stop_counting_at_once(setup):
+    index, clock, _ = setup
+    info = registered(index, "a")
+    index.heartbeat(info, WorkerLoad(0, 0, 0, 10, 10), 60.0)
+    clock.now_ms += 1
+    index.record_placement(info.worker_id, [], num_new_tokens=100)
+    index.record_placement(info.worker_id, [], num_new_tokens=20)
+    index.complete_placement(info.worker_id, 100)
+    (view,) = index.query("prefill", [])
+    assert (view.num_pending_requests, view.num_pending_tokens) == (1, 20)
+    index.complete_placement(info.worker_id, 20)
+    index.complete_placement(info.worker_id, 20)  # one too many (a report already cleared it): clamped
+    (view,) = index.query("prefill", [])
+    assert (view.num_pending_requests, view.num_pending_tokens) == (0, 0)
+
+
 def test_a_new_epoch_wipes_the_old_one_and_an_old_epoch_is_refused(setup):
     index, _, _ = setup
     old = registered(index, "a", epoch="0" * 23 + "1")

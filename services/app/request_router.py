@@ -1,0 +1,113 @@
+"""Prefix-aware placement inside Ray Serve: a `RequestRouter` backed by Baton's router.
+
+The engine deployments declare it through `RequestRouterConfig`, so every handle to them
+(the gateway's) asks it which replica gets a call. It reads the prompt's token ids from the
+call, asks `PrefixRouter` (one Redis round trip: who holds the longest prefix, who is
+loaded), and returns Serve's ranked replica groups, best first. Serve keeps everything else:
+queue-length probes, rejection and backoff, retries, replica health.
+
+    GenerateCall on a prefill or colocated deployment -> route_prefill (prefix, then load)
+    any call on a decode deployment                  -> route_decode (load, free KV blocks)
+    anything else (model_info, stats)                -> all replicas, Serve's order
+
+The placement is recorded for the replica Serve finally sends to (`on_request_routed`:
+speculative prefix entries and pending load), and its pending load is removed when the
+request completes (`on_request_completed`), so back-to-back requests see current load
+without waiting for the worker's next load report.
+
+Replicas the router does not know yet (just started, not registered) go last, together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from ..engine.block_hash import BlockHash
+from ..router.config import RouterConfig
+from ..router.policy import Placement, RankedWorker
+from ..router.router import PrefixRouter
+from ..workers.messages import DecodeCall, GenerateCall
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Routed:
+    placement: Placement
+    block_hashes: list[BlockHash]
+
+
+class BatonRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, router_config: dict, role: str) -> None:
+        self.role = role
+        self.router = PrefixRouter.from_config(RouterConfig.model_validate(router_config))
+        self.decisions: Counter = Counter()  # by placement reason, for metrics
+        self._routing: dict[str, _Routed] = {}  # internal request id -> its latest ranking
+        self._in_flight: dict[str, RankedWorker] = {}  # internal request id -> the worker that took it
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        call = _call_of(pending_request)
+        if call is None or not candidate_replicas:
+            return [candidate_replicas] if candidate_replicas else []
+        try:
+            routed = await asyncio.to_thread(self._rank, call)
+        except Exception:  # a routing failure must not stop serving: Serve's order then
+            logger.exception("prefix routing failed; using Serve's default order")
+            return [candidate_replicas]
+        self.decisions[routed.placement.reason.value] += 1
+        self._routing[pending_request.metadata.internal_request_id] = routed
+        by_address = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
+        ranked: list[list[RunningReplica]] = []
+        for worker in routed.placement.ranked:
+            replica = by_address.pop(self._address(worker.worker_id), None)
+            if replica is not None:
+                ranked.append([replica])
+        if by_address:
+            ranked.append(list(by_address.values()))
+        return ranked
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        routed = self._routing.pop(pending_request.metadata.internal_request_id, None)
+        if routed is None:
+            return
+        address = replica_id.to_full_id_str()
+        worker = next((w for w in routed.placement.ranked if self._address(w.worker_id) == address), None)
+        if worker is not None:
+            self.router.commit(worker, routed.block_hashes)
+            self._in_flight[pending_request.metadata.internal_request_id] = worker
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._routing.pop(internal_request_id, None)
+        worker = self._in_flight.pop(internal_request_id, None)
+        if worker is not None:
+            self.router.complete(worker.worker_id, worker.num_new_tokens)
+
+    def _rank(self, call: GenerateCall | DecodeCall) -> _Routed:
+        generate = call.call if isinstance(call, DecodeCall) else call
+        if self.role == "decode":
+            placement = self.router.route_decode(generate.request_id, len(generate.prompt_token_ids), record=False)
+            return _Routed(placement, [])
+        hashes = self.router.hasher.block_hashes(generate.prompt_token_ids, generate.cache_salt)
+        placement = self.router.route_prefill_hashes(
+            generate.request_id, len(generate.prompt_token_ids), hashes, record=False
+        )
+        return _Routed(placement, hashes)
+
+    def _address(self, worker_id: str) -> str | None:
+        info = self.router.worker_info(worker_id)
+        return info.address if info is not None else None
+
+
+def _call_of(pending_request: PendingRequest | None) -> GenerateCall | DecodeCall | None:
+    if pending_request is None:
+        return None
+    args: list[Any] = [*pending_request.args, *pending_request.kwargs.values()]
+    return next((a for a in args if isinstance(a, GenerateCall | DecodeCall)), None)
