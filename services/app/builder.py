@@ -21,7 +21,7 @@ class ServeGateway(Gateway):
     """The gateway as Serve builds it: from the handles of the engine deployments."""
 
     def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str) -> None:
-        super().__init__(make_placement(mode, workers), tokenizer_path, mode)
+        super().__init__(make_placement(mode, workers), tokenizer_path, mode, export_metrics=True)
 
 
 def make_placement(mode: str, workers: dict[str, Any]) -> Placement:

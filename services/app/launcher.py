@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
+# How often processes push metrics to Ray's exporter (Ray's default is 10 s).
+METRICS_REPORT_INTERVAL_MS = 2000
 GRPC_SERVICERS = [
     "baton.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -67,9 +69,11 @@ class LocalDeployment:
     config: BatonConfig
     run_dir: Path
     num_cpus: int | None = None
+    metrics_export_port: int | None = None  # Ray's Prometheus endpoint (None: Ray's default)
     redis: LocalRedis | None = None
     grpc_address: str = ""
     http_address: str = ""
+    metrics_address: str = ""  # Prometheus text format, Ray's exporter on this node
     _started_ray: bool = field(default=False, repr=False)
 
     def start(self) -> LocalDeployment:
@@ -93,6 +97,8 @@ class LocalDeployment:
                 num_cpus=self.num_cpus,
                 _temp_dir=str(self.run_dir / "ray"),
                 log_to_driver=False,
+                _metrics_export_port=self.metrics_export_port or free_port(),
+                _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
             )
             self._started_ray = True
         server = config.server
@@ -107,6 +113,8 @@ class LocalDeployment:
         )
         serve.run(build_app(config), name=config.name, route_prefix="/")
         self.grpc_address = f"127.0.0.1:{grpc_port}"
+        node = ray.nodes()[0] if ray.nodes() else {}
+        self.metrics_address = f"http://127.0.0.1:{node.get('MetricsExportPort', self.metrics_export_port)}/metrics"
         self.http_address = f"http://{server.http_host}:{http_port}"
         return self
 
@@ -148,6 +156,7 @@ def serve_forever(config_path: str | None, model: str | None) -> int:
         print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
         if deployment.redis is not None:
             print(f"Redis {deployment.redis.url}   (local)")
+        print(f"Metrics {deployment.metrics_address}   (Prometheus)")
         print("Ctrl-C to stop.", flush=True)
         while not stop.is_set():
             time.sleep(0.5)

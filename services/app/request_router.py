@@ -28,6 +28,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from .. import metrics
 from ..engine.block_hash import BlockHash
 from ..router.config import RouterConfig
 from ..router.policy import Placement, RankedWorker
@@ -63,6 +64,7 @@ class BatonRequestRouter(FIFOMixin, RequestRouter):
             logger.exception("prefix routing failed; using Serve's default order")
             return [candidate_replicas]
         self.decisions[routed.placement.reason.value] += 1
+        metrics.record_decision(self.role, routed.placement.reason.value)
         self._routing[pending_request.metadata.internal_request_id] = routed
         by_address = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         ranked: list[list[RunningReplica]] = []

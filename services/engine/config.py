@@ -85,6 +85,12 @@ class RunnerConfig(BaseModel):
         "auto", description="Attention/norm/RoPE kernels. auto: Triton on CUDA, torch reference on CPU"
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Device peak dense TFLOP/s for MFU (default: known GPUs; else MFU is not reported)"
+    )
+    peak_memory_tbs: float | None = Field(
+        None, gt=0, description="Device peak memory bandwidth in TB/s for MBU (default: known GPUs)"
+    )
 
 
 class EngineConfig(BaseModel):

@@ -34,6 +34,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .step_metrics import DevicePeaks, StepCostModel, StepWindow
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class EngineStats:
     kv_leases_expired: int = 0
     kv_bytes_received: int = 0
     kv_recv_seconds: float = 0.0
+    step_seconds: float = 0.0  # mean over the last steps
+    model_flops_utilization: float = 0.0  # MFU over the last steps (0: device peak unknown)
+    memory_bandwidth_utilization: float = 0.0  # MBU over the last steps
 
 
 class EngineCore:
@@ -94,6 +98,11 @@ class EngineCore:
         self._rng = random.Random(config.model.seed)
         self.worker_id = ""  # set by the serving layer; named in KV transfer params
         self.last_step_num_tokens = 0
+        self.step_costs = StepCostModel(self.arch, self.executor.dtype_bytes, config.parallel.tensor_parallel_size)
+        self.step_window = StepWindow()
+        self.device_peaks = DevicePeaks.resolve(
+            self.executor.device_name, config.runner.peak_tflops, config.runner.peak_memory_tbs
+        )
 
     # -- requests ---------------------------------------------------------------------
 
@@ -201,7 +210,10 @@ class EngineCore:
             or scheduler_output.has_kv_work
             or self.scheduler.handover.is_active
         ):
+            start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
+            if not scheduler_output.is_empty:
+                self._record_step_cost(scheduler_output, time.perf_counter() - start)
             self._update(scheduler_output, runner_output)
             if runner_output.kv_transfer:
                 self.scheduler.update_kv_transfer(runner_output.kv_transfer)
@@ -220,6 +232,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
         handover = self.scheduler.handover
+        step_seconds, mfu, mbu = self.step_window.utilisation(self.device_peaks)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -236,7 +249,22 @@ class EngineCore:
             kv_leases_expired=handover.num_leases_expired,
             kv_bytes_received=handover.bytes_received,
             kv_recv_seconds=handover.recv_seconds,
+            step_seconds=step_seconds,
+            model_flops_utilization=mfu,
+            memory_bandwidth_utilization=mbu,
         )
+
+    def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        pairs = context = 0
+        for request_id, num_queries in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            end = request.num_computed_tokens  # already advanced past this step's tokens
+            pairs += num_queries * end - num_queries * (num_queries - 1) // 2  # causal: query i sees end - q + i + 1
+            context += end
+        flops, num_bytes = self.step_costs.cost(scheduler_output.total_num_scheduled_tokens, pairs, context)
+        self.step_window.add(seconds, flops, num_bytes)
 
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()

@@ -18,6 +18,8 @@ from .worker import Worker
 class Executor(ABC):
     num_kv_blocks: int  # KV-cache blocks per rank (equal on every rank)
     kv_endpoints: tuple[str, ...] = ()  # each rank's KV transfer server (with a connector)
+    device_name: str = "cpu"  # what the ranks run on (for utilisation metrics)
+    dtype_bytes: int = 4  # bytes per weight / KV element
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -33,6 +35,8 @@ class UniProcExecutor(Executor):
         self.worker.initialize_kv_cache(self.num_kv_blocks)
         endpoint = self.worker.kv_endpoint()
         self.kv_endpoints = (endpoint,) if endpoint else ()
+        self.device_name = self.worker.device_name()
+        self.dtype_bytes = self.worker.runner.dtype.itemsize
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

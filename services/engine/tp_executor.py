@@ -87,6 +87,8 @@ class RayTPExecutor(Executor):
             self._wait_all([w.initialize_kv_cache.remote(self.num_kv_blocks) for w in self.workers])
             endpoints = self._wait_all([w.kv_endpoint.remote() for w in self.workers])
             self.kv_endpoints = tuple(endpoints) if all(endpoints) else ()
+            (self.device_name,) = self._wait_all([self.workers[0].device_name.remote()])
+            self.dtype_bytes = 4 if config.model.dtype in ("float32", "auto") and not use_gpu else 2
         except BaseException:
             self.shutdown()
             raise

@@ -85,6 +85,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
     def kv_endpoint(self) -> str | None:
         """Where decode workers reach this rank's KV transfer server (None: no connector)."""
         return self.connector.endpoint if self.connector is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from baton.v1 import inference_pb2 as pb
@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .. import metrics
 from ..engine.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, status_of
 from . import grpc_api
@@ -42,10 +43,14 @@ logger = logging.getLogger(__name__)
 
 
 class Gateway:
-    def __init__(self, placement: Placement, tokenizer_path: str, mode: str = "colocated") -> None:
+    def __init__(
+        self, placement: Placement, tokenizer_path: str, mode: str = "colocated", export_metrics: bool = False
+    ) -> None:
         self.mode = mode
         self.placement = placement
-        self.service = GenerationService(load_tokenizer(tokenizer_path), placement)
+        self.export_metrics = export_metrics
+        on_finished = _record_request if export_metrics else None
+        self.service = GenerationService(load_tokenizer(tokenizer_path), placement, on_finished)
 
     # -- gRPC: baton.v1.Inference -----------------------------------------------------
 
@@ -114,15 +119,15 @@ class Gateway:
             params = body.sampling_params(body.max_tokens, body.logprobs)
             requests = [
                 await self.service.prepare(
-                    GenerationRequest(p, params, _sub_id(body.request_id, i, len(prompts)), body.cache_salt)
+                    GenerationRequest(p, params, _sub_id(body.request_id, i, len(prompts)), body.cache_salt, api="http")
                 )
                 for i, p in enumerate(prompts)
             ]
         except Exception as error:
-            return _http_error(status_of(error))
+            return self._http_failure(error)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(self._stream_completions(requests, params.n, response_id, body))
+            return await _sse(self._stream_completions(requests, params.n, response_id, body), self._http_failure)
         return await self._complete(requests, params.n, response_id, body, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -133,14 +138,14 @@ class Gateway:
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
             requests = [
                 await self.service.prepare(
-                    GenerationRequest(prompt_ids, params, body.request_id or "", body.cache_salt)
+                    GenerationRequest(prompt_ids, params, body.request_id or "", body.cache_salt, api="http")
                 )
             ]
         except Exception as error:
-            return _http_error(status_of(error))
+            return self._http_failure(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(self._stream_chat(requests[0], response_id, body))
+            return await _sse(self._stream_chat(requests[0], response_id, body), self._http_failure)
         return await self._complete(requests, params.n, response_id, body, chat=True)
 
     # -- internals --------------------------------------------------------------------
@@ -155,7 +160,7 @@ class Gateway:
                     if event.finished:
                         total = _add_usage(total, event)
         except Exception as error:
-            return _http_error(status_of(error))
+            return self._http_failure(error)
         info = await self.service.model_info()
         choices = []
         for index in range(len(requests) * n):
@@ -244,16 +249,38 @@ class Gateway:
         if _include_usage(body):
             yield {**base, "choices": [], "usage": usage_body(usage)}
 
-    @staticmethod
-    def _set_grpc_error(grpc_context, error: Exception) -> None:
-        """Sets the status on Serve's gRPC context; re-raising then keeps it (Ray wraps the
-        exception with the code set here instead of reporting INTERNAL)."""
+    def _failure(self, error: Exception, api: str) -> ErrorStatus:
         status = status_of(error)
         if status.http_status >= 500:
             logger.warning("request failed: %s", status.message)
+        if self.export_metrics:
+            metrics.record_error(api, status.grpc_code.name)
+        return status
+
+    def _http_failure(self, error: Exception) -> JSONResponse:
+        return _http_error(self._failure(error, "http"))
+
+    def _set_grpc_error(self, grpc_context, error: Exception) -> None:
+        """Sets the status on Serve's gRPC context; re-raising then keeps it (Ray wraps the
+        exception with the code set here instead of reporting INTERNAL)."""
+        status = self._failure(error, "grpc")
         if grpc_context is not None:
             grpc_context.set_code(status.grpc_code)
             grpc_context.set_details(status.message)
+
+
+def _record_request(api: str, event: GenerationEvent) -> None:
+    usage = event.usage
+    metrics.record_request(
+        api,
+        event.completion.finish_reason or "",
+        event.time_to_first_token_s,
+        event.total_s,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        event.trace.kv_path,
+    )
 
 
 def build_http_app(gateway: Gateway) -> FastAPI:
@@ -311,7 +338,9 @@ def _http_error(status: ErrorStatus) -> JSONResponse:
     )
 
 
-async def _sse(events: AsyncIterator[dict]) -> StreamingResponse | JSONResponse:
+async def _sse(
+    events: AsyncIterator[dict], on_error: Callable[[Exception], JSONResponse]
+) -> StreamingResponse | JSONResponse:
     """Server-sent events. The first event is awaited before the headers go out, so an
     error that comes at once (overload, no worker) still gets its HTTP status."""
     iterator = events.__aiter__()
@@ -320,7 +349,7 @@ async def _sse(events: AsyncIterator[dict]) -> StreamingResponse | JSONResponse:
     except StopAsyncIteration:
         first = None
     except Exception as error:
-        return _http_error(status_of(error))
+        return on_error(error)
 
     async def body():
         try:

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +33,14 @@ class GenerationRequest:
     request_id: str = ""
     cache_salt: str | None = None
     add_special_tokens: bool = True
+    api: str = "grpc"  # which API it came through (a metrics label)
 
 
 @dataclass(slots=True)
 class PreparedGeneration:
     call: GenerateCall  # what the workers receive
     arrival: float  # time.monotonic() when the gateway got the request
+    api: str = "grpc"
 
 
 @dataclass(slots=True)
@@ -62,9 +64,12 @@ class GenerationEvent:
 
 
 class GenerationService:
-    def __init__(self, tokenizer: Any, placement: Placement) -> None:
+    def __init__(
+        self, tokenizer: Any, placement: Placement, on_finished: Callable[[str, GenerationEvent], None] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.placement = placement
+        self.on_finished = on_finished  # metrics: (api, the request's last event)
         self._model_info: WorkerModelInfo | None = None
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> set when aborted
 
@@ -109,7 +114,8 @@ class GenerationService:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = await self._prompt_ids(request)
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
-        return PreparedGeneration(GenerateCall(request_id, prompt_ids, params, request.cache_salt), time.monotonic())
+        call = GenerateCall(request_id, prompt_ids, params, request.cache_salt)
+        return PreparedGeneration(call, time.monotonic(), request.api)
 
     async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[GenerationEvent]:
         call, arrival = prepared.call, prepared.arrival
@@ -135,9 +141,12 @@ class GenerationService:
                         first_token = time.monotonic()
                 last = len(output.outputs) - 1
                 for i, completion in enumerate(output.outputs):
-                    yield self._event(
+                    event = self._event(
                         request_id, completion, usage, output.finished and i == last, first_token, arrival, trace
                     )
+                    if event.finished and self.on_finished is not None:
+                        self.on_finished(prepared.api, event)
+                    yield event
                 if output.finished:
                     return
         finally:

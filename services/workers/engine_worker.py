@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,7 @@ from ..engine.config import EngineConfig
 from ..engine.engine_core import EngineStats
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import RequestOutputKind
+from ..metrics import EngineMetrics
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, WorkerRole, new_epoch
@@ -26,6 +28,7 @@ from .messages import DecodeCall, GenerateCall, WorkerModelInfo
 
 logger = logging.getLogger(__name__)
 
+METRICS_INTERVAL_S = 1.0
 _ROLES = {"colocated": WorkerRole.BOTH, "prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE}
 
 
@@ -61,6 +64,9 @@ class EngineWorker:
         self.engine.engine.worker_id = self.info.worker_id
         if self.agent is not None:
             self.agent.start(self.engine.stats)
+        self._metrics_stop = threading.Event()
+        if _in_ray():
+            threading.Thread(target=self._export_metrics, name="baton-metrics", daemon=True).start()
         logger.info("engine worker %s (%s) ready", self.info.worker_id, role)
 
     @property
@@ -151,6 +157,9 @@ class EngineWorker:
         self.shutdown()
 
     def shutdown(self) -> None:
+        stop = getattr(self, "_metrics_stop", None)
+        if stop is not None:
+            stop.set()
         agent, self.agent = getattr(self, "agent", None), None
         if agent is not None:
             agent.close()
@@ -159,6 +168,14 @@ class EngineWorker:
             engine.shutdown()
             self.engine = None
 
+    def _export_metrics(self) -> None:
+        exporter = EngineMetrics(self.role)
+        while not self._metrics_stop.wait(METRICS_INTERVAL_S):
+            engine = self.engine
+            if engine is None:
+                return
+            exporter.export(engine.stats())
+
     def _check_capacity(self) -> None:
         stats = self.engine.stats()
         queued = self.engine.num_open_requests - stats.num_running
@@ -166,6 +183,15 @@ class EngineWorker:
             raise ServerOverloadedError(
                 f"worker {self.worker_id} has {queued} queued requests (limit {self.max_waiting_requests}); retry later"
             )
+
+
+def _in_ray() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except ImportError:
+        return False
 
 
 def _serve_identity() -> tuple[str | None, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -43,6 +44,8 @@ class HelmUnavailable(RuntimeError):
 
 def helm_binary(cache_path: Path = CACHE_PATH) -> Path:
     """The verified helm executable, downloading it on first use."""
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        raise HelmUnavailable(f"the recorded helm binary is linux-amd64; this is {sys.platform}/{platform.machine()}")
     if cache_path.exists():
         if _sha256(cache_path.read_bytes()) == HELM_SHA256:
             return cache_path

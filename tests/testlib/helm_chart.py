@@ -22,6 +22,8 @@ CHART_DIR = REPO_ROOT / "helm" / "baton"
 VALUES_DIR = REPO_ROOT / "helm" / "values"
 # The CRDs are shared data beside the repository (never copied into it).
 KUBERAY_CRDS = REPO_ROOT.parent / "shared" / "crds" / "kuberay-v1.7.0"
+# The values files `make helm-check` lints, renders and validates (helm/values/<name>.yaml).
+VALUES_FILES = ("minimal", "gpu-tp2", "external-redis", "autoscaling", "colocated")
 KUBERNETES_VERSION = "1.31.0"
 RELEASE = "baton"
 NAMESPACE = "llm"
@@ -43,7 +45,9 @@ class HelmChart:
         self, command: Sequence[str], values_files: Iterable[Path] = (), overrides: Sequence[dict] = ()
     ) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="baton-values-") as tmp:
-            args = [str(self.helm), *command, str(self.chart_dir), "--kube-version", KUBERNETES_VERSION]
+            args = [str(self.helm), *command, str(self.chart_dir)]
+            if command[0] in ("template", "lint"):  # `install --dry-run` takes the client's own version
+                args += ["--kube-version", KUBERNETES_VERSION]
             for path in values_files:
                 args += ["-f", str(path)]
             for i, values in enumerate(overrides):

@@ -10,17 +10,18 @@ event (`stream_options.include_usage`). Two endpoints:
 
 Client-side token counting over HTTP is by chunk: each chunk with a choice counts as one
 token, even when its text is empty (servers stream one chunk per decoding step, and a
-token that ends mid-character has no text yet); chat's opening role-only chunk does not
-count. A server that sends several tokens per chunk makes this
-differ from its usage: the token check in the result reports how many requests differ,
-and TPOT uses the server's count.
-Reply token ids (multi-turn) come from re-tokenizing the reply with --tokenizer.
+token that ends mid-character has no text yet). Chat's opening chunk with the role and
+empty content counts only if the usage shows it was a token. A server that sends several
+tokens per chunk makes the count differ from its usage: the token check in the result
+reports how many requests differ, and TPOT uses the server's count. Reply token ids
+(multi-turn) come from re-tokenizing the reply with --tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -52,6 +53,7 @@ class OpenAIHttpBackend(Backend):
         tokenizer: Any = None,
         endpoint: Endpoint = "completions",
         api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: an httpx.MockTransport
     ) -> None:
         super().__init__(address, sampling or SamplingOptions(), timeout_s, connect_timeout_s, tokenizer)
         if endpoint not in ("completions", "chat"):
@@ -64,6 +66,7 @@ class OpenAIHttpBackend(Backend):
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+            transport=transport,
         )
 
     async def probe(self, model: str | None) -> ServerInfo:
@@ -121,7 +124,7 @@ class OpenAIHttpBackend(Backend):
     async def send(self, request: BenchRequest) -> Response:
         url = f"{self.base_url}/{'completions' if self.endpoint == 'completions' else 'chat/completions'}"
         body = self._body(request)
-        texts: list[str] = []
+        stream = _Stream()
         response = Response(sent_at=time.perf_counter())
         try:
             async with self._client.stream("POST", url, json=body) as reply:
@@ -134,17 +137,18 @@ class OpenAIHttpBackend(Backend):
                         data = line[5:].strip()
                         if data == "[DONE]":
                             break
-                        self._read_chunk(json.loads(data), response, texts)
+                        self._read_chunk(json.loads(data), response, stream)
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             response.error = f"{type(e).__name__}: {e}"
         response.end_s = time.perf_counter() - response.sent_at
+        _count_role_chunk_if_token(response, stream)
         if response.error is None and not response.chunk_times_s:
             response.error = "the stream ended without output"
-        response.output_text = "".join(texts)
+        response.output_text = "".join(stream.texts)
         response.output_token_ids = self.reply_token_ids(response.output_text)
         return response
 
-    def _read_chunk(self, chunk: dict[str, Any], response: Response, texts: list[str]) -> None:
+    def _read_chunk(self, chunk: dict[str, Any], response: Response, stream: _Stream) -> None:
         if "error" in chunk:
             response.error = _error_message(json.dumps(chunk))
             return
@@ -154,7 +158,9 @@ class OpenAIHttpBackend(Backend):
             if text is not None:
                 response.chunk_times_s.append(now)
                 response.chunk_num_tokens.append(1)
-                texts.append(text)
+                stream.texts.append(text)
+            elif self.endpoint == "chat" and "role" in (choice.get("delta") or {}) and not response.chunk_times_s:
+                stream.role_chunk_s = now
             if choice.get("finish_reason"):
                 response.finish_reason = choice["finish_reason"]
         usage = chunk.get("usage")
@@ -166,8 +172,8 @@ class OpenAIHttpBackend(Backend):
         """The choice's new text, or None when the chunk carries no output token.
 
         A streaming server sends one chunk per decoding step, whose text may be empty (a
-        token that ends mid-character); those count. Chat's opening chunk that only
-        carries the role (empty content) does not.
+        token that ends mid-character); those count. Chat's opening chunk with the role and
+        empty content does not, unless the usage shows it was a token (see below).
         """
         if self.endpoint == "completions":
             text = choice.get("text")
@@ -180,6 +186,26 @@ class OpenAIHttpBackend(Backend):
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+@dataclass(slots=True)
+class _Stream:
+    texts: list[str] = field(default_factory=list)
+    role_chunk_s: float | None = None  # arrival of chat's opening role chunk with empty content
+
+
+def _count_role_chunk_if_token(response: Response, stream: _Stream) -> None:
+    """Chat's first chunk carries the role; with empty content it is either a role-only
+    chunk (vLLM sends one before any token) or a first token that ends mid-character
+    (Baton puts the role on its first token). The usage tells them apart: if the server
+    counted one token more than the client, the role chunk was that token."""
+    usage = response.usage
+    if stream.role_chunk_s is None or usage is None:
+        return
+    if usage.completion_tokens == response.num_output_tokens + 1:
+        response.chunk_times_s.insert(0, stream.role_chunk_s)
+        response.chunk_num_tokens.insert(0, 1)
+        stream.texts.insert(0, "")
 
 
 def _error_message(body: str) -> str:

@@ -213,3 +213,25 @@ def test_fifty_concurrent_streams(client, offline):
     assert len(results) == 50
     for i, tokens in results.items():
         assert tokens == offline[PROMPTS[i % len(PROMPTS)]].token_ids
+
+
+def test_prometheus_metrics_are_exported(baton_app, client):
+    import httpx
+
+    collect(client, greedy_request("metrics please", 4))
+    wanted = [
+        "baton_time_to_first_token_seconds",
+        "baton_requests_total",
+        "baton_num_requests_running",
+        "baton_kv_cache_usage_ratio",
+        "baton_router_decisions_total",
+        "baton_step_seconds",
+    ]
+    deadline = time.monotonic() + 40
+    while True:
+        text = httpx.get(baton_app.metrics_address, timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"missing {missing} at {baton_app.metrics_address}"
+        time.sleep(1)

@@ -1,0 +1,145 @@
+"""Prometheus metrics of the services, through Ray's metrics API.
+
+Ray exports every process's metrics on each node's metrics port, with a `ray_` prefix
+(`ray_baton_time_to_first_token_seconds`, ...), which is what KubeRay's Prometheus
+integration scrapes; `baton serve` prints the local address. The Grafana dashboard is
+docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
+
+  gateway  baton_time_to_first_token_seconds        histogram  arrival at the gateway -> first token
+           baton_time_per_output_token_seconds      histogram  (e2e - ttft) / (output tokens - 1)
+           baton_e2e_request_latency_seconds        histogram
+           baton_requests_total{finish_reason,api}  counter    finished requests (and errors: finish_reason=error code)
+           baton_prompt_tokens_total, baton_generation_tokens_total, baton_cached_prompt_tokens_total
+           baton_kv_path_total{path}                counter    disaggregated requests by how the KV got there
+  router   baton_router_decisions_total{role,reason} counter   prefix | load | imbalance | fallback | no_workers
+  worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
+           baton_num_free_kv_blocks{role}, baton_prefix_cache_queries_total / _hits_total{role},
+           baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
+           baton_kv_leases_expired_total, baton_step_seconds{role},
+           baton_model_flops_utilization{role}, baton_memory_bandwidth_utilization{role}
+
+Everything here is created lazily in the process that records it (Ray's metric objects
+live per process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+_LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+_TOKEN_LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+@cache
+def _metrics() -> dict[str, Any]:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    role = ("role",)
+    return {
+        "ttft": Histogram("baton_time_to_first_token_seconds", "Time to first token", _LATENCY_S),
+        "tpot": Histogram(
+            "baton_time_per_output_token_seconds", "Time per output token after the first", _TOKEN_LATENCY_S
+        ),
+        "e2e": Histogram("baton_e2e_request_latency_seconds", "Request latency", _LATENCY_S),
+        "requests": Counter("baton_requests_total", "Finished requests", ("finish_reason", "api")),
+        "prompt_tokens": Counter("baton_prompt_tokens_total", "Prompt tokens"),
+        "generation_tokens": Counter("baton_generation_tokens_total", "Generated tokens"),
+        "cached_tokens": Counter("baton_cached_prompt_tokens_total", "Prompt tokens served from prefix caches"),
+        "kv_path": Counter("baton_kv_path_total", "Requests by how their KV cache got to decode", ("path",)),
+        "decisions": Counter("baton_router_decisions_total", "Routing decisions", ("role", "reason")),
+        "running": Gauge("baton_num_requests_running", "Requests running in the engine", role),
+        "waiting": Gauge("baton_num_requests_waiting", "Requests waiting in the engine", role),
+        "kv_usage": Gauge("baton_kv_cache_usage_ratio", "Share of KV-cache blocks in use", role),
+        "free_blocks": Gauge("baton_num_free_kv_blocks", "Free KV-cache blocks", role),
+        "prefix_queries": Counter("baton_prefix_cache_queries_total", "Prompt tokens looked up", role),
+        "prefix_hits": Counter("baton_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", role),
+        "kv_bytes": Counter("baton_kv_transfer_bytes_total", "KV bytes received by decode workers", role),
+        "kv_seconds": Counter("baton_kv_transfer_seconds_total", "Time spent receiving KV", role),
+        "kv_failures": Counter("baton_kv_transfer_failures_total", "KV transfers that failed (recomputed)", role),
+        "kv_transfers": Counter("baton_kv_transfers_total", "KV transfers received", role),
+        "leases_expired": Counter("baton_kv_leases_expired_total", "Prefill leases nobody claimed", role),
+        "step_seconds": Gauge("baton_step_seconds", "Mean engine step time", role),
+        "mfu": Gauge("baton_model_flops_utilization", "Model FLOPs utilisation over recent steps", role),
+        "mbu": Gauge("baton_memory_bandwidth_utilization", "Memory-bandwidth utilisation over recent steps", role),
+    }
+
+
+def record_request(
+    api: str,
+    finish_reason: str,
+    ttft_s: float | None,
+    e2e_s: float,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    kv_path: str | None,
+) -> None:
+    m = _metrics()
+    m["requests"].inc(1, {"finish_reason": finish_reason or "unknown", "api": api})
+    m["e2e"].observe(e2e_s)
+    if ttft_s is not None:
+        m["ttft"].observe(ttft_s)
+        if completion_tokens > 1:
+            m["tpot"].observe((e2e_s - ttft_s) / (completion_tokens - 1))
+    m["prompt_tokens"].inc(prompt_tokens)
+    if completion_tokens:
+        m["generation_tokens"].inc(completion_tokens)
+    if cached_tokens:
+        m["cached_tokens"].inc(cached_tokens)
+    if kv_path and kv_path != "colocated":
+        m["kv_path"].inc(1, {"path": kv_path})
+
+
+def record_error(api: str, code: str) -> None:
+    _metrics()["requests"].inc(1, {"finish_reason": f"error:{code}", "api": api})
+
+
+def record_decision(role: str, reason: str) -> None:
+    _metrics()["decisions"].inc(1, {"role": role, "reason": reason})
+
+
+@dataclass(slots=True)
+class _Totals:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_bytes_received: int = 0
+    kv_recv_seconds: float = 0.0
+    kv_recv_failed: int = 0
+    kv_recv_ok: int = 0
+    kv_leases_expired: int = 0
+
+
+_COUNTERS = {
+    "prefix_cache_queries": "prefix_queries",
+    "prefix_cache_hits": "prefix_hits",
+    "kv_bytes_received": "kv_bytes",
+    "kv_recv_seconds": "kv_seconds",
+    "kv_recv_failed": "kv_failures",
+    "kv_recv_ok": "kv_transfers",
+    "kv_leases_expired": "leases_expired",
+}
+
+
+class EngineMetrics:
+    """Exports one engine's stats: gauges as they are, totals as counter increments."""
+
+    def __init__(self, role: str) -> None:
+        self.tags = {"role": role}
+        self.last = _Totals()
+
+    def export(self, stats) -> None:
+        m = _metrics()
+        m["running"].set(stats.num_running, self.tags)
+        m["waiting"].set(stats.num_waiting, self.tags)
+        m["kv_usage"].set(stats.kv_cache_usage, self.tags)
+        m["free_blocks"].set(stats.num_free_kv_blocks, self.tags)
+        m["step_seconds"].set(stats.step_seconds, self.tags)
+        m["mfu"].set(stats.model_flops_utilization, self.tags)
+        m["mbu"].set(stats.memory_bandwidth_utilization, self.tags)
+        for field in fields(_Totals):
+            now, before = getattr(stats, field.name), getattr(self.last, field.name)
+            if now > before:
+                m[_COUNTERS[field.name]].inc(now - before, self.tags)
+            setattr(self.last, field.name, now)
