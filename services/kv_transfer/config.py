@@ -28,7 +28,11 @@ class KVTransferConfig(BaseModel):
     transport: Literal["torch", "nixl"] = Field(
         "torch", description="torch: torch.distributed (gloo on CPU, NCCL on CUDA); nixl: RDMA when installed"
     )
-    host: str = Field("127.0.0.1", description="Address this worker's transfer server listens on")
+    host: str = Field(
+        "auto",
+        description="Address this worker's transfer server listens on and advertises; auto: the Ray node's IP "
+        "(the pod's, on Kubernetes), 127.0.0.1 outside Ray",
+    )
     timeout_s: float = Field(10.0, gt=0, description="Both sides give up on a transfer after this long")
     lease_s: float = Field(30.0, gt=0, description="The prefill side frees unclaimed blocks after this long")
     verify: bool = Field(False, description="Checksum every transfer; a mismatch makes the decode side recompute")

@@ -63,8 +63,9 @@ class TorchDistributedConnector(KVConnector):
         self.device = device
         self.uid = uuid.uuid4().hex[:12]
         self.timeout = datetime.timedelta(seconds=config.timeout_s)
-        self.store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self._endpoint = f"{config.host}:{self.store.port}"
+        host = advertised_host(config.host)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._endpoint = f"{host}:{self.store.port}"
         self.kv_caches: list[torch.Tensor] = []
         self.faults = FaultInjection()
         self._lock = threading.Condition()
@@ -322,6 +323,20 @@ class TorchDistributedConnector(KVConnector):
     def _pair_lock(self, key: str) -> threading.Lock:
         with self._lock:
             return self._pair_locks.setdefault(key, threading.Lock())
+
+
+def advertised_host(host: str) -> str:
+    """`auto`: the Ray node's IP when inside Ray (reachable by the other pods), else loopback."""
+    if host != "auto":
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,0 +1,104 @@
+{{/*
+The pod template of a Ray node (head or a worker group). Call with a dict:
+  root       the top-level context ($)
+  component  "head", "colocated", "prefill" or "decode"
+  group      the values of that node kind (head or workers.<role>)
+The Ray container comes first (KubeRay starts Ray in container 0).
+*/}}
+{{- define "baton.rayPodTemplate" -}}
+{{- $root := .root -}}
+{{- $group := .group -}}
+{{- $isHead := eq .component "head" -}}
+{{- $cfg := $root.Values.config -}}
+metadata:
+  labels:
+    {{- include "baton.componentLabels" (list $root .component) | nindent 4 }}
+    {{- with $root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $root.Values.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if $group.hostNetwork }}
+  hostNetwork: true
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
+  {{- with $group.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ ternary "ray-head" "ray-worker" $isHead }}
+      image: {{ include "baton.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      ports:
+        {{- if $isHead }}
+        - {name: gcs-server, containerPort: 6379}
+        - {name: dashboard, containerPort: 8265}
+        - {name: client, containerPort: 10001}
+        {{- end }}
+        - {name: metrics, containerPort: 8080}
+        - {name: serve, containerPort: {{ $cfg.server.http_port }}}
+        - {name: grpc, containerPort: {{ $cfg.server.grpc_port }}}
+      {{- $env := $root.Values.extraEnv }}
+      {{- if include "baton.redis.hasPassword" $root }}
+      {{- $secret := dict "name" (include "baton.redis.secretName" $root) "key" (include "baton.redis.secretKey" $root) }}
+      {{- $env = prepend $env (dict "name" (include "baton.redis.passwordEnv" $root) "valueFrom" (dict "secretKeyRef" $secret)) }}
+      {{- end }}
+      {{- with $env }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $limits := dig "limits" dict (default dict $group.resources) | deepCopy }}
+      {{- $requests := dig "requests" dict (default dict $group.resources) | deepCopy }}
+      {{- $devices := dict }}
+      {{- if gt (int (default 0 $group.gpus)) 0 }}
+      {{- $_ := set $devices "nvidia.com/gpu" (int $group.gpus) }}
+      {{- end }}
+      {{- if and $group.rdma $group.rdma.enabled }}
+      {{- $devices = merge $devices (default dict $group.rdma.resources) }}
+      {{- end }}
+      resources:
+        {{- toYaml (dict "limits" (merge $limits $devices) "requests" (merge $requests $devices)) | nindent 8 }}
+      {{- if and $group.rdma $group.rdma.enabled }}
+      securityContext:
+        capabilities:
+          add: [IPC_LOCK]  # RDMA pins (locks) the memory it registers
+      {{- end }}
+      volumeMounts:
+        - {name: shm, mountPath: /dev/shm}
+        - {name: baton-config, mountPath: /etc/baton, readOnly: true}
+        {{- if $root.Values.model.volume }}
+        - {name: model, mountPath: {{ $root.Values.model.mountPath }}, readOnly: true}
+        {{- end }}
+        {{- with $root.Values.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: shm
+      emptyDir: {medium: Memory, sizeLimit: {{ $group.shmSize }}}
+    - name: baton-config
+      configMap:
+        name: {{ include "baton.componentName" (list $root "config") }}
+    {{- with $root.Values.model.volume }}
+    - name: model
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $root.Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
