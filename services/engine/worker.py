@@ -88,6 +88,10 @@ class Worker:
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
+    def collective_stats(self) -> tuple[float, int]:
+        """Seconds and calls spent in collectives since the last call (benchmarks)."""
+        return self.tp.stats.take()
+
     def kv_endpoint(self) -> str | None:
         """Where decode workers reach this rank's KV transfer server (None: no connector)."""
         return self.connector.endpoint if self.connector is not None else None
