@@ -16,8 +16,9 @@ or unpacked):
 
     decode                                   prefill
     request {id, blocks, pair, gen} ----->   claim the lease (refused if it expired)
-    recv header  <-----------------------    header [status, blocks, layers, checksum]
-    recv layer 0..L-1 <------------------    pack + send layer 0..L-1: K/V of the blocks
+    recv header  <-----------------------    header [status, blocks, layout, checksum]
+    recv K/V, layer by layer <-----------    send layer by layer (wire_layout.py: slices of the
+                                             cache where blocks are consecutive, else gathered)
     write into its own blocks, verify
     send ack ---------------------------->   finished_sending: the lease can be released
 
@@ -39,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from . import wire_layout
 from .config import FaultInjection, KVTransferConfig
 from .connector import KVConnector
 from .types import KVRecvTask, KVTransferStatus
@@ -48,8 +50,8 @@ logger = logging.getLogger(__name__)
 _TAG = 0
 _OK, _EXPIRED = 0, 1
 _QUEUE_LEN = "q/len"
-_MIN_POLL_S = 0.001
-_MAX_POLL_S = 0.02
+_SERVER_WAIT = datetime.timedelta(minutes=5)
+_STOP = b"stop"
 
 
 class TransferError(RuntimeError):
@@ -131,6 +133,8 @@ class TorchDistributedConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
+        if self._server is not None:  # wake the server thread from its wait
+            self.store.set(f"q/{self.store.add(_QUEUE_LEN, 1)}", _STOP)
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self._recv_pool.shutdown(wait=False, cancel_futures=True)
         self._groups.clear()
@@ -171,27 +175,24 @@ class TorchDistributedConnector(KVConnector):
         group = self._group(pair, store, rank=1)
         header = torch.zeros(4, dtype=torch.int64, device=self.device)
         group.recv([header], 0, _TAG).wait()
-        status, num_blocks, num_layers, checksum = header.tolist()
+        status, num_blocks, layout, checksum = header.tolist()
         if status == _EXPIRED:
             raise TransferError("the prefill side's lease expired")
-        if (num_blocks, num_layers) != (len(task.dst_block_ids), len(self.kv_caches)):
-            raise TransferError(
-                f"header announces {num_blocks} blocks x {num_layers} layers, expected "
-                f"{len(task.dst_block_ids)} x {len(self.kv_caches)}"
-            )
-        dst = torch.tensor(task.dst_block_ids, dtype=torch.long, device=self.device)
-        buffers = [torch.empty_like(kv[:, dst]) for kv in self.kv_caches]
-        works = [group.recv([buf], 0, _TAG) for buf in buffers]  # all posted: layers arrive back to back
+        if num_blocks != len(task.dst_block_ids):
+            raise TransferError(f"header announces {num_blocks} blocks, expected {len(task.dst_block_ids)}")
+        plan = wire_layout.incoming(self.kv_caches, task.src_block_ids, task.dst_block_ids, layout)
+        works = [group.recv([buffer], 0, _TAG) for buffer, _ in plan]  # all posted: messages arrive back to back
         crc = 0
-        for kv, buf, work in zip(self.kv_caches, buffers, works):
+        for (buffer, finish), work in zip(plan, works):
             work.wait()
             if self.config.verify:
-                crc = zlib.crc32(_bytes(buf), crc)
-            kv.index_copy_(1, dst, buf)
+                crc = zlib.crc32(_bytes(buffer), crc)
+            if finish is not None:
+                finish()
         if self.config.verify and crc != checksum:
             raise TransferError(f"checksum mismatch ({crc:#x} != {checksum:#x})")
         group.send([torch.ones(1, dtype=torch.int64, device=self.device)], 0, _TAG).wait()
-        return sum(buf.numel() * buf.element_size() for buf in buffers)
+        return sum(buffer.numel() * buffer.element_size() for buffer, _ in plan)
 
     def _client(self, endpoint: str) -> dist.TCPStore:
         client = self._clients.get(endpoint)
@@ -214,24 +215,28 @@ class TorchDistributedConnector(KVConnector):
     def _serve(self) -> None:
         """Takes requests off this rank's queue, in order, and hands them to the send pool.
 
-        Polls with `check` (a blocking `wait` that times out logs a warning in c10d each
-        time); the poll interval grows from 1 ms to 20 ms while the queue stays empty."""
-        slot, waiting_since, pause = 1, time.monotonic(), _MIN_POLL_S
-        while not self._closed.wait(pause):
+        Blocks in the store's `wait` (no polling latency); `close` wakes it with a sentinel.
+        A wait that times out while the queue counter is ahead means a writer died between
+        reserving its slot and writing it: that slot is skipped."""
+        # A connection of its own: a blocking wait holds its connection, and the send threads
+        # need the store (group rendezvous) meanwhile.
+        host, port = self._endpoint.rsplit(":", 1)
+        queue = dist.TCPStore(host, int(port), is_master=False, timeout=_SERVER_WAIT)
+        slot = 1
+        while not self._closed.is_set():
             key = f"q/{slot}"
-            if not self.store.check([key]):
-                pause = min(pause * 2, _MAX_POLL_S)
-                # Skip a slot whose writer died between reserving and writing it.
-                if (
-                    time.monotonic() - waiting_since > 2 * self.config.timeout_s
-                    and self.store.add(_QUEUE_LEN, 0) > slot
-                ):
-                    slot, waiting_since = slot + 1, time.monotonic()
+            try:
+                queue.wait([key], _SERVER_WAIT)
+            except Exception:  # timed out (c10d logs a warning): skip a slot nobody will write
+                if queue.add(_QUEUE_LEN, 0) > slot:
+                    slot += 1
                 continue
-            request = json.loads(self.store.get(key))
-            self.store.delete_key(key)
-            slot, waiting_since, pause = slot + 1, time.monotonic(), _MIN_POLL_S
-            self._send_pool.submit(self._send, request)
+            raw = queue.get(key)
+            queue.delete_key(key)
+            slot += 1
+            if raw == _STOP:
+                return
+            self._send_pool.submit(self._send, json.loads(raw))
 
     def _send(self, request: dict) -> None:
         transfer_id, pair = request["transfer_id"], request["pair"]
@@ -267,24 +272,22 @@ class TorchDistributedConnector(KVConnector):
             header[0] = _EXPIRED
             group.send([header], 1, _TAG).wait()
             return
-        src = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        if verify:  # the checksum goes in the header, so pack every layer first
-            packed = [kv[:, src] for kv in self.kv_caches]
-            crc = 0
-            for buf in packed:
-                crc = zlib.crc32(_bytes(buf), crc)
-            header[:] = torch.tensor([_OK, len(blocks), len(packed), crc])
-            layers = iter(packed)
-        else:
-            header[:] = torch.tensor([_OK, len(blocks), len(self.kv_caches), 0])
-            layers = (kv[:, src] for kv in self.kv_caches)  # packed one by one, while the previous is in flight
+        layout = wire_layout.choose_layout(blocks)
+        messages = wire_layout.outgoing(self.kv_caches, blocks, layout)
+        crc = 0
+        if verify:  # the checksum goes in the header, so go over the data first
+            messages = list(messages)
+            for message in messages:
+                crc = zlib.crc32(_bytes(message), crc)
+        header[:] = torch.tensor([_OK, len(blocks), layout, crc])
         group.send([header], 1, _TAG).wait()
         works, in_flight = [], []
-        for index, buf in enumerate(layers):
-            if corrupt and index == 0:
-                buf.view(torch.uint8).view(-1)[0] ^= 0xFF
-            works.append(group.send([buf], 1, _TAG))
-            in_flight.append(buf)  # keep each buffer alive until its send completes
+        for index, message in enumerate(messages):  # packed layers are gathered while earlier ones fly
+            if corrupt and index == 0:  # a damaged copy: never touch the cache itself
+                message = message.clone()
+                message.view(torch.uint8).view(-1)[0] ^= 0xFF
+            works.append(group.send([message], 1, _TAG))
+            in_flight.append(message)  # keep each buffer alive until its send completes
         for work in works:
             work.wait()
         ack = torch.zeros(1, dtype=torch.int64, device=self.device)
