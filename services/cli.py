@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random model with a trained tokenizer")
     tiny.add_argument("dir", help="output folder")
-    tiny.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    tiny.add_argument("--arch", choices=["llama", "qwen3", "qwen2", "mistral"], default="llama")
     tiny.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-kv-heads", type=int, default=None)

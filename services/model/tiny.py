@@ -37,6 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+ARCHES = ("llama", "qwen3", "qwen2", "mistral")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -81,10 +82,20 @@ def make_tiny_model(
 ) -> Path:
     """Writes a random model folder (config.json, model.safetensors, tokenizer) to `path`."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {arch!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     path = Path(path)
@@ -101,12 +112,13 @@ def make_tiny_model(
         bos_token_id=None,
         pad_token_id=eos_id,
     )
-    if arch == "llama":
-        config = LlamaConfig(**common, tie_word_embeddings=False)
-        model_class = LlamaForCausalLM
-    else:
-        config = Qwen3Config(**common, tie_word_embeddings=True)
-        model_class = Qwen3ForCausalLM
+    config_class, model_class, tied = {
+        "llama": (LlamaConfig, LlamaForCausalLM, False),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, True),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, True),  # q/k/v projections with bias
+        "mistral": (MistralConfig, MistralForCausalLM, False),
+    }[arch]
+    config = config_class(**common, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     model.save_pretrained(path)
