@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: setup protos serve test test-fast lint format bench bench-engine clean
+.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-serving clean
 
 setup: $(STAMP) protos
 
@@ -40,10 +40,27 @@ format: setup
 	$(BIN)/ruff check --fix services kernels tests bench
 	$(BIN)/ruff format services kernels tests bench
 
-bench: bench-engine
+# Benchmarks print their baseline (measured in the same run) and the ratio; results are
+# recorded in docs/benchmarks.md with the command that produced them.
+bench: bench-engine bench-tp bench-kv-transfer bench-router
 
 bench-engine: setup
 	$(BIN)/python bench/engine.py
+
+bench-tp: setup
+	$(BIN)/python bench/tensor_parallel.py
+
+bench-kv-transfer: setup
+	$(BIN)/python bench/kv_transfer.py
+
+bench-router: setup
+	$(BIN)/python bench/router_latency.py
+	$(BIN)/python bench/router_placement.py
+
+# Whole-service comparisons (local Ray + Redis per configuration; several minutes each).
+bench-serving: setup
+	$(BIN)/python bench/serving.py disagg
+	$(BIN)/python bench/serving.py routing
 
 # Kernel tests compiled on CUDA, then decode/prefill kernel benchmarks (bench/gpu_check.py).
 # No prerequisites: the GPU machine has torch and Triton but no venv. The venv's python when
