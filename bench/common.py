@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.services.loadtest.metrics import percentile  # noqa: F401 - re-exported for the engine benchmarks
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH_MODELS = REPO / ".baton" / "bench-models"
 
@@ -36,16 +38,6 @@ def mixed_workload(
         )
         for _ in range(num_requests)
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def num_params(model_dir: Path) -> int:

@@ -3,8 +3,10 @@
     1. the backend (unknown name: error), a local tokenizer if given
     2. probe the server: reachable, serves the model asked for, its context length
     3. the workload against the server: prompt kind, reply token ids, lengths that fit
-    4. warm-up requests (also a pre-flight: if one fails, nothing else is sent)
-    5. each load level of the sweep, one after another, on its own prompts
+    4. warm-up requests shaped like the workload's (also a pre-flight: if one fails, nothing
+       else is sent)
+    5. each load level of the sweep, one after another: the same request shapes and arrival
+       pattern (scaled by the rate), its own token ids (seeding.py)
     6. the result dictionary (report.py), with every run's metrics and records
 
 Steps 1-4 raise `BenchInputError` with a message that says what to change; no load has
@@ -19,7 +21,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import seeding
 from .backends import make_backend
 from .backends.base import Backend, BenchRequest, SamplingOptions, ServerInfo
 from .errors import BenchInputError
@@ -29,6 +30,7 @@ from .runner import Bounds, LoadRunner, LoadSpec, RunOutcome
 from .workloads.base import Workload, WorkloadContext
 
 _SESSIONS_WITHOUT_COUNT = 1000  # sessions a workload prepares for when only a duration bounds the run
+WARMUP_RUN = 2**31 - 1  # the run index of warm-up sessions
 
 
 @dataclass(slots=True)
@@ -103,7 +105,7 @@ async def run_benchmark(spec: BenchmarkSpec) -> dict[str, Any]:
     try:
         info = await backend.probe(spec.model)
         await _prepare_workload(spec, backend, info)
-        await _warm_up(backend, spec.warmup)
+        await _warm_up(backend, spec.workload, spec.seed, spec.warmup)
         outcomes = [await _run_load(spec, backend, load, run) for run, load in enumerate(spec.loads)]
     finally:
         await backend.close()
@@ -156,11 +158,13 @@ def _expected_sessions(spec: BenchmarkSpec) -> int:
     return _SESSIONS_WITHOUT_COUNT
 
 
-async def _warm_up(backend: Backend, num: int) -> None:
-    rng = seeding.rng(0, seeding.WARMUP)
+async def _warm_up(backend: Backend, workload: Workload, seed: int, num: int) -> None:
+    """First turns of sessions shaped like the workload's, from a run index no measured run
+    uses (so their prompts are not the measured ones), replies capped at a few tokens."""
     for i in range(num):
-        words = " ".join(str(x) for x in rng.integers(0, 1000, size=8))
-        response = await backend.send(BenchRequest(max_tokens=4, prompt_text=f"warm-up {i}: {words}"))
+        turn = workload.session(seed, WARMUP_RUN, i).turns[0]
+        request = BenchRequest(min(turn.max_tokens, 8), turn.new_token_ids, turn.text)
+        response = await backend.send(request)
         if response.error is not None:
             raise BenchInputError(f"the warm-up request failed, so no load was sent: {response.error}")
 

@@ -120,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
     except BenchInputError as e:
         print(f"baton bench: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nbaton bench: interrupted; no result written", file=sys.stderr)
+        return 130
 
 
 def main_argv(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ Aggregated over a run (duration = run start to the last request's end):
     cached-token ratio   sum of server-reported cached prompt tokens / sum of prompt tokens
     token check          requests whose client-counted output tokens (or client-known prompt
                          length) differ from the server's usage
+    KV paths             completed requests by the server's KV path (disaggregated mode:
+                         transferred, or recomputed when the handover failed)
     percentiles          linear interpolation between closest ranks (numpy's default): for
                          sorted values x[0..n-1], rank h = (n - 1) * q / 100 and
                          p_q = x[floor h] + (h - floor h) * (x[floor h + 1] - x[floor h]).
@@ -31,6 +33,7 @@ Aggregated over a run (duration = run start to the last request's end):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -158,6 +161,8 @@ class RunMetrics:
     cached_tokens: int
     cached_token_ratio: float | None  # None: the server reported no cached-token counts
     tokens: TokenCheck
+    kv_paths: dict[str, int]  # completed requests by the server's KV path (transferred, recomputed ...)
+    errors: dict[str, int]  # failed requests by error message
 
 
 def run_metrics(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> RunMetrics:
@@ -192,6 +197,8 @@ def run_metrics(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -
         cached_tokens=cached,
         cached_token_ratio=cached_ratio,
         tokens=token_check(records),
+        kv_paths=dict(Counter(r.response.kv_path for r in records if r.response.error is None and r.response.kv_path)),
+        errors=dict(Counter(r.response.error for r in records if r.response.error is not None)),
     )
 
 

@@ -6,13 +6,17 @@ request's record. Latencies are in milliseconds, throughputs per second. The tab
 from the same dictionaries, so `compare` can print one from files alone.
 
     {"schema": "baton-bench/1", "label", "created", "config", "server",
-     "runs": [{"load", "metrics", "groups", "requests": [...]}, ...]}
+     "runs": [{"load", "metrics", "host", "groups", "requests": [...]}, ...]}
+
+`host` records the client machine's load average around each run: when the server shares
+the machine, other jobs running beside it skew every latency.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -62,6 +66,8 @@ def metrics_dict(m: RunMetrics) -> dict[str, Any]:
         "cached_tokens": m.cached_tokens,
         "cached_token_ratio": m.cached_token_ratio,
         "token_check": asdict(m.tokens),
+        "kv_paths": m.kv_paths,
+        "errors": m.errors,
     }
 
 
@@ -116,6 +122,11 @@ def run_dict(outcome: RunOutcome, slo: Slo) -> dict[str, Any]:
             "max_concurrency": load.max_concurrency,
         },
         "metrics": metrics_dict(run_metrics(records, outcome.duration_s, slo)),
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg_1m_start": outcome.host_load[0],
+            "loadavg_1m_end": outcome.host_load[1],
+        },
         "groups": {name: group_dict(g) for name, g in group_metrics(records, slo).items()},
         "requests": [record_dict(r, slo) for r in records],
     }
@@ -172,6 +183,7 @@ _ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ],
     ("cached-token ratio", ("cached_token_ratio",), "{:.1%}"),
     ("token check (client vs server)", (), "tokens"),
+    ("KV paths (server)", (), "kv_paths"),
     ("dispatch lag p99 (ms)", ("dispatch_lag_ms", "p99"), "{:.1f}"),
 ]
 
@@ -179,9 +191,15 @@ _ROWS: list[tuple[str, tuple[str, ...], str]] = [
 def _cell(metrics: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
     if fmt == "ok":
         return f"{metrics['num_completed']} / {metrics['num_requests']}"
-    if fmt == "good":
-        done = metrics["num_completed"]
-        return f"{metrics['num_good']} ({metrics['num_good'] / done:.0%})" if done else "0"
+    if fmt == "good":  # attainment over every request sent: a failed one misses the SLO
+        sent = metrics["num_requests"]
+        return f"{metrics['num_good']} ({metrics['num_good'] / sent:.0%})" if sent else "0"
+    if fmt == "attainment":
+        sent = metrics["num_requests"]
+        return f"{metrics['num_good'] / sent:.0%}" if sent else "-"
+    if fmt == "kv_paths":
+        paths = metrics.get("kv_paths") or {}
+        return ", ".join(f"{name} {count}" for name, count in sorted(paths.items())) or "-"
     if fmt == "tokens":
         check = metrics["token_check"]
         bad = check["output_mismatches"] + check["prompt_mismatches"]
@@ -192,11 +210,24 @@ def _cell(metrics: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(columns: Sequence[tuple[str, dict[str, Any]]], title: str = "") -> str:
-    """Rows of metrics, one column per (label, run metrics)."""
-    header = ["", *[label for label, _ in columns]]
-    rows = [header] + [[name, *[_cell(m, path, fmt) for _, m in columns]] for name, path, fmt in _ROWS]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+# The long form, one row per run, when there are too many runs for one column each.
+_WIDE_AFTER = 4
+_COMPACT: list[tuple[str, tuple[str, ...], str]] = [
+    ("ok", (), "ok"),
+    ("req/s", ("request_throughput",), "{:.2f}"),
+    ("goodput", ("goodput",), "{:.2f}"),
+    ("SLO met", (), "attainment"),
+    ("out tok/s", ("output_token_throughput",), "{:.1f}"),
+    *[(f"{name.upper()} {stat}", (f"{name}_ms", stat), "{:.1f}") for name, stat in (
+        ("ttft", "p50"), ("ttft", "p90"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"), ("itl", "p99"), ("e2e", "p99")
+    )],
+    ("cached", ("cached_token_ratio",), "{:.0%}"),
+    ("tokens", (), "tokens"),
+]  # fmt: skip
+
+
+def _layout(rows: list[list[str]], title: str) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [title] if title else []
     for n, row in enumerate(rows):
         lines.append(
@@ -205,6 +236,18 @@ def format_table(columns: Sequence[tuple[str, dict[str, Any]]], title: str = "")
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_table(columns: Sequence[tuple[str, dict[str, Any]]], title: str = "") -> str:
+    """Metrics of several runs: a column per run, or with more than a few runs a row per run
+    (fewer metrics, latencies in ms)."""
+    if len(columns) > _WIDE_AFTER:
+        header = ["run", *[name for name, _, _ in _COMPACT]]
+        rows = [[label, *[_cell(m, path, fmt) for _, path, fmt in _COMPACT]] for label, m in columns]
+        return _layout([header, *rows], f"{title}\n(latencies in ms)" if title else "(latencies in ms)")
+    header = ["", *[label for label, _ in columns]]
+    rows = [[name, *[_cell(m, path, fmt) for _, m in columns]] for name, path, fmt in _ROWS]
+    return _layout([header, *rows], title)
 
 
 def slo_text(config: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ class RunOutcome:
     load: LoadSpec
     records: list[RequestRecord]  # in completion order
     duration_s: float  # t0 to the end of the last request
+    host_load: tuple[float, float] = (0.0, 0.0)  # this machine's 1-minute load average at start and end
 
 
 class LoadRunner:
@@ -108,12 +110,16 @@ class LoadRunner:
         self._t0 = 0.0
 
     async def run(self) -> RunOutcome:
-        offsets = self.load.arrivals.offsets(seeding.rng(self.seed, seeding.ARRIVALS, self.run_index))
+        offsets = self.load.arrivals.offsets(
+            seeding.rng(self.seed, seeding.ARRIVALS)
+        )  # one pattern, scaled by the rate
         tasks: list[asyncio.Task] = []
+        load_at_start = os.getloadavg()[0]  # a busy machine (other jobs beside the server) skews latencies
         self._t0 = time.perf_counter()
         for index, offset in enumerate(offsets):
             if self._budget_left() == 0 or self._past_duration(offset):
                 break
+            session = self.workload.session(self.seed, self.run_index, index)  # built before its time comes
             delay = self._t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -122,13 +128,12 @@ class LoadRunner:
                 if self._past_duration(self._elapsed()):
                     self._slots.release()
                     break
-            session = self.workload.session(self.seed, self.run_index, index)
             turns = session.turns[: self._budget_left()]
             self._num_reserved += len(turns)
             tasks.append(asyncio.create_task(self._run_session(index, session, turns, offset)))
         await asyncio.gather(*tasks)
         end = max((r.start_s + r.response.end_s for r in self.records), default=0.0)
-        return RunOutcome(self.load, self.records, end)
+        return RunOutcome(self.load, self.records, end, (load_at_start, os.getloadavg()[0]))
 
     async def _run_session(self, session_id: int, session: Session, turns: list[Turn], arrival: float) -> None:
         context: list[int] = []

@@ -1,20 +1,30 @@
 """Reproducibility: every random choice comes from a generator keyed by (seed, stream, keys...).
 
-Streams keep the pieces independent: changing the arrival rate does not change the prompts,
-and request `i` of run `r` is the same request whatever the request count or duration.
-Each run of a sweep gets its own prompts (the run index is a key), so a later run does not
-find an earlier run's prompts in the server's prefix cache.
+Streams keep the pieces independent, and the keys say what a draw may depend on:
+
+    SHAPES         (seed, session)       request class, prompt and output lengths, prefix group
+    TOKENS         (seed, run, session)  the token ids
+    ARRIVALS       (seed)                the gaps, before scaling by 1 / rate
+    PREFIX_SHAPES  (seed)                shared-prefix groups' prefix lengths
+    PREFIX_TOKENS  (seed, run)           their token ids
+    DATASET        (seed)                dataset sampling order
+
+So request i is the same whatever the request count or duration; every run of a sweep
+sends requests of the same shapes on the same arrival pattern (compressed by its rate),
+and differs only in token ids, so a later run does not find an earlier run's prompts in
+the server's prefix cache. Changing the rate does not change the prompts.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-WORKLOAD = 1  # per-session prompt and length draws
-ARRIVALS = 2  # inter-arrival gaps
-PREFIXES = 3  # shared-prefix group prefixes
-WARMUP = 4  # warm-up requests
-DATASET = 5  # dataset sampling order
+SHAPES = 1
+TOKENS = 2
+ARRIVALS = 3
+PREFIX_SHAPES = 4
+PREFIX_TOKENS = 5
+DATASET = 6
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:

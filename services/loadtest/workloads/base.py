@@ -21,6 +21,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .. import seeding
 from ..errors import BenchInputError
 
 # (texts, add_special_tokens) -> token counts; the server's tokenizer or a local one
@@ -61,6 +64,9 @@ class WorkloadContext:
 class Workload(ABC):
     name: str = ""
 
+    def __init__(self) -> None:
+        self.vocab_size = 0  # set by prepare(): token ids are drawn below it
+
     @property
     def uses_token_ids(self) -> bool:
         """Whether prompts are token ids (else text)."""
@@ -75,6 +81,7 @@ class Workload(ABC):
         """Checks the workload against the server and loads what it needs, expecting about
         `num_sessions` sessions per run. Raises BenchInputError."""
         self._check_fits(context)
+        self.vocab_size = context.vocab_size
 
     @abstractmethod
     def session(self, seed: int, run: int, index: int) -> Session:
@@ -87,6 +94,12 @@ class Workload(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """The workload's parameters, recorded in the result file."""
+
+    def _session_rngs(self, seed: int, run: int, index: int) -> tuple[np.random.Generator, np.random.Generator]:
+        """Session `index`'s generators: for its shape (the same in every run of a sweep) and
+        for its token ids (the run's own; see seeding.py)."""
+        assert self.vocab_size > 0, "prepare() first"
+        return seeding.rng(seed, seeding.SHAPES, index), seeding.rng(seed, seeding.TOKENS, run, index)
 
     def _check_fits(self, context: WorkloadContext) -> None:
         limit = context.max_context_length

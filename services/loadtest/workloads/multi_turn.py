@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import seeding
 from ..errors import BenchInputError
 from ..lengths import LengthDistribution
-from .base import Session, Turn, Workload, WorkloadContext, random_token_ids
+from .base import Session, Turn, Workload, random_token_ids
 
 
 class MultiTurnWorkload(Workload):
@@ -28,6 +27,7 @@ class MultiTurnWorkload(Workload):
         output_len: LengthDistribution,
         think_time_s: float = 0.0,
     ) -> None:
+        super().__init__()
         if num_turns < 1:
             raise BenchInputError(f"multi-turn workload: turns must be >= 1, got {num_turns}")
         if think_time_s < 0:
@@ -37,24 +37,18 @@ class MultiTurnWorkload(Workload):
         self.turn_len = turn_len
         self.output_len = output_len
         self.think_time_s = think_time_s
-        self._vocab_size = 0
 
     @property
     def needs_reply_token_ids(self) -> bool:
         return self.num_turns > 1
 
-    async def prepare(self, context: WorkloadContext, num_sessions: int) -> None:
-        self._check_fits(context)
-        self._vocab_size = context.vocab_size
-
     def session(self, seed: int, run: int, index: int) -> Session:
-        assert self._vocab_size > 0, "prepare() first"
-        rng = seeding.rng(seed, seeding.WORKLOAD, run, index)
+        shape, tokens = self._session_rngs(seed, run, index)
         turns = []
         for k in range(self.num_turns):
-            length = (self.first_turn_len if k == 0 else self.turn_len).sample(rng)
-            new_ids = random_token_ids(rng, length, self._vocab_size)
-            turns.append(Turn(self.output_len.sample(rng), new_token_ids=new_ids, group=f"turn-{k + 1}"))
+            length = (self.first_turn_len if k == 0 else self.turn_len).sample(shape)
+            new_ids = random_token_ids(tokens, length, self.vocab_size)
+            turns.append(Turn(self.output_len.sample(shape), new_token_ids=new_ids, group=f"turn-{k + 1}"))
         return Session("conversation", turns, self.think_time_s)
 
     def max_context_tokens(self) -> int:

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import seeding
 from ..errors import BenchInputError
 from ..lengths import LengthDistribution
-from .base import Session, Turn, Workload, WorkloadContext, random_token_ids
+from .base import Session, Turn, Workload, random_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +42,7 @@ class RandomWorkload(Workload):
     name = "random"
 
     def __init__(self, classes: list[RequestClass]) -> None:
+        super().__init__()
         if not classes:
             raise BenchInputError("random workload: at least one request class")
         names = [c.name for c in classes]
@@ -51,18 +51,12 @@ class RandomWorkload(Workload):
         self.classes = classes
         total = sum(c.weight for c in classes)
         self._probabilities = [c.weight / total for c in classes]
-        self._vocab_size = 0
-
-    async def prepare(self, context: WorkloadContext, num_sessions: int) -> None:
-        self._check_fits(context)
-        self._vocab_size = context.vocab_size
 
     def session(self, seed: int, run: int, index: int) -> Session:
-        assert self._vocab_size > 0, "prepare() first"
-        rng = seeding.rng(seed, seeding.WORKLOAD, run, index)
-        request_class = self.classes[int(rng.choice(len(self.classes), p=self._probabilities))]
-        prompt = random_token_ids(rng, request_class.prompt_len.sample(rng), self._vocab_size)
-        turn = Turn(request_class.output_len.sample(rng), new_token_ids=prompt)
+        shape, tokens = self._session_rngs(seed, run, index)
+        request_class = self.classes[int(shape.choice(len(self.classes), p=self._probabilities))]
+        prompt_len, output_len = request_class.prompt_len.sample(shape), request_class.output_len.sample(shape)
+        turn = Turn(output_len, new_token_ids=random_token_ids(tokens, prompt_len, self.vocab_size))
         return Session(request_class.name, [turn])
 
     def max_context_tokens(self) -> int:

@@ -6,8 +6,8 @@
 
 This is the workload a prefix-aware router is for: requests of one group share the prefix's
 KV blocks, so sending them where the prefix is cached saves its prefill. The group name
-("prefix-007") is the workload group. Prefixes are drawn per run of a sweep, so each run
-starts with prefixes the server has not seen.
+("prefix-007") is the workload group. Each run of a sweep has its own prefixes (same lengths,
+other tokens), so each run starts with prefixes the server has not seen.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from .. import seeding
 from ..errors import BenchInputError
 from ..lengths import LengthDistribution
-from .base import Session, Turn, Workload, WorkloadContext, random_token_ids
+from .base import Session, Turn, Workload, random_token_ids
 
 
 def popularity_weights(num_groups: int, popularity: str) -> list[float]:
@@ -50,6 +50,7 @@ class SharedPrefixWorkload(Workload):
         output_len: LengthDistribution,
         popularity: str = "uniform",
     ) -> None:
+        super().__init__()
         if num_groups < 1:
             raise BenchInputError(f"shared-prefix workload: num_groups must be >= 1, got {num_groups}")
         self.num_groups = num_groups
@@ -59,27 +60,21 @@ class SharedPrefixWorkload(Workload):
         self.popularity = popularity
         self._weights = popularity_weights(num_groups, popularity)
         self._prefixes: dict[tuple[int, int], list[list[int]]] = {}  # (seed, run) -> prefix per group
-        self._vocab_size = 0
-
-    async def prepare(self, context: WorkloadContext, num_sessions: int) -> None:
-        self._check_fits(context)
-        self._vocab_size = context.vocab_size
 
     def prefixes(self, seed: int, run: int) -> list[list[int]]:
         key = (seed, run)
         if key not in self._prefixes:
-            rng = seeding.rng(seed, seeding.PREFIXES, run)
-            self._prefixes[key] = [
-                random_token_ids(rng, self.prefix_len.sample(rng), self._vocab_size) for _ in range(self.num_groups)
-            ]
+            shape, tokens = seeding.rng(seed, seeding.PREFIX_SHAPES), seeding.rng(seed, seeding.PREFIX_TOKENS, run)
+            lengths = [self.prefix_len.sample(shape) for _ in range(self.num_groups)]
+            self._prefixes[key] = [random_token_ids(tokens, n, self.vocab_size) for n in lengths]
         return self._prefixes[key]
 
     def session(self, seed: int, run: int, index: int) -> Session:
-        assert self._vocab_size > 0, "prepare() first"
-        rng = seeding.rng(seed, seeding.WORKLOAD, run, index)
-        group = int(rng.choice(self.num_groups, p=self._weights))
-        suffix = random_token_ids(rng, self.suffix_len.sample(rng), self._vocab_size)
-        turn = Turn(self.output_len.sample(rng), new_token_ids=self.prefixes(seed, run)[group] + suffix)
+        shape, tokens = self._session_rngs(seed, run, index)
+        group = int(shape.choice(self.num_groups, p=self._weights))
+        suffix_len, output_len = self.suffix_len.sample(shape), self.output_len.sample(shape)
+        suffix = random_token_ids(tokens, suffix_len, self.vocab_size)
+        turn = Turn(output_len, new_token_ids=self.prefixes(seed, run)[group] + suffix)
         return Session(f"prefix-{group:03d}", [turn])
 
     def max_context_tokens(self) -> int:

@@ -88,6 +88,7 @@ class ShareGPTWorkload(Workload):
     name = "sharegpt"
 
     def __init__(self, path: str | Path, output_len: int | None = None) -> None:
+        super().__init__()
         self.path = Path(path)
         self.exchanges = parse_sharegpt(self.path)
         self.output_len = output_len  # fixed output length; None: the reply's length (needs a tokenizer)

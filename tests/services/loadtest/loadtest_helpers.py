@@ -5,8 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 from baton.services.loadtest.backends.base import Backend, BenchRequest, SamplingOptions, ServerInfo
 from baton.services.loadtest.records import RequestRecord, Response, Usage
+from baton.v1 import inference_pb2 as pb
+from baton.v1 import inference_pb2_grpc as pb_grpc
+
+# Every aggregate a run's "metrics" holds in the result file.
+METRIC_KEYS = {
+    "num_requests", "num_completed", "num_failed", "num_good", "duration_s", "request_throughput",
+    "output_token_throughput", "total_token_throughput", "goodput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
+    "server_ttft_ms", "dispatch_lag_ms", "prompt_tokens", "output_tokens", "cached_tokens", "cached_token_ratio",
+    "token_check", "kv_paths", "errors",
+}  # fmt: skip
 
 
 def record(
@@ -76,3 +87,47 @@ class FakeBackend(Backend):
             return response
         finally:
             self.in_flight -= 1
+
+
+class FakeInference(pb_grpc.InferenceServicer):
+    """A stand-in Baton: 4 output tokens in 3 deltas (one of two tokens), usage and timings last;
+    max_tokens 99 is refused with RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        self.num_generated = 0  # Generate calls seen
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return pb.ModelInfo(model="tiny", max_context_length=256, block_size=16, vocab_size=1000, mode="colocated")
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        ids = list(range(len(request.text.split()) + (1 if request.add_special_tokens else 0)))
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def Generate(self, request, context):  # noqa: N802
+        self.num_generated += 1
+        if request.sampling.max_tokens == 99:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests")
+        yield pb.GenerateResponse(token_ids=[5], text="a")
+        await asyncio.sleep(0.01)
+        yield pb.GenerateResponse(token_ids=[6, 7], text="bc")  # a two-token delta
+        await asyncio.sleep(0.01)
+        last = pb.GenerateResponse(token_ids=[8], text="d", finish_reason="length")
+        last.usage.CopyFrom(pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=4, cached_tokens=16))
+        last.timings.CopyFrom(pb.Timings(time_to_first_token_s=0.005, total_s=0.03, kv_path="colocated"))
+        yield last
+
+
+def with_grpc_server(test, servicer=None):
+    """Runs `await test(address)` against an in-process gRPC server (FakeInference by default)."""
+
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(servicer or FakeInference(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            await test(f"127.0.0.1:{port}")
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -69,6 +69,13 @@ def test_seeded_runs_are_reproducible_and_seeds_differ():
     assert process.sample(50, seeding.rng(7, seeding.ARRIVALS, 0)) == a[:50]
 
 
+def test_a_sweep_scales_one_pattern():
+    # the same generator state at another rate: the same arrivals, compressed by the rate ratio
+    slow = ArrivalProcess(1.0, 0.5).sample(100, seeding.rng(0, seeding.ARRIVALS))
+    fast = ArrivalProcess(4.0, 0.5).sample(100, seeding.rng(0, seeding.ARRIVALS))
+    assert fast == pytest.approx([t / 4 for t in slow])
+
+
 @pytest.mark.parametrize(
     "rate, burstiness", [(0.0, 1.0), (-1.0, 1.0), (float("nan"), 1.0), (1.0, 0.0), (1.0, math.inf)]
 )

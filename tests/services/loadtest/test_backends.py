@@ -15,45 +15,9 @@ from baton.services.loadtest.backends.base import BenchRequest
 from baton.services.loadtest.backends.grpc import GrpcBackend
 from baton.services.loadtest.backends.openai_http import OpenAIHttpBackend, normalize_base_url
 from baton.services.loadtest.errors import BenchInputError
-from baton.v1 import inference_pb2 as pb
-from baton.v1 import inference_pb2_grpc as pb_grpc
+from loadtest_helpers import with_grpc_server
 
 # -- gRPC ------------------------------------------------------------------------------------
-
-
-class FakeInference(pb_grpc.InferenceServicer):
-    async def GetModelInfo(self, request, context):  # noqa: N802
-        return pb.ModelInfo(model="tiny", max_context_length=256, block_size=16, vocab_size=1000, mode="colocated")
-
-    async def Tokenize(self, request, context):  # noqa: N802
-        ids = list(range(len(request.text.split()) + (1 if request.add_special_tokens else 0)))
-        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
-
-    async def Generate(self, request, context):  # noqa: N802
-        if request.sampling.max_tokens == 99:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests")
-        yield pb.GenerateResponse(token_ids=[5], text="a")
-        await asyncio.sleep(0.01)
-        yield pb.GenerateResponse(token_ids=[6, 7], text="bc")  # a two-token delta
-        await asyncio.sleep(0.01)
-        last = pb.GenerateResponse(token_ids=[8], text="d", finish_reason="length")
-        last.usage.CopyFrom(pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=4, cached_tokens=16))
-        last.timings.CopyFrom(pb.Timings(time_to_first_token_s=0.005, total_s=0.03, kv_path="colocated"))
-        yield last
-
-
-def with_grpc_server(test):
-    async def main():
-        server = grpc.aio.server()
-        pb_grpc.add_InferenceServicer_to_server(FakeInference(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            await test(f"127.0.0.1:{port}")
-        finally:
-            await server.stop(None)
-
-    asyncio.run(main())
 
 
 def test_grpc_probe_send_and_count():

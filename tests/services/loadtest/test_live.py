@@ -21,17 +21,12 @@ from baton.services.loadtest.workloads.multi_turn import MultiTurnWorkload
 from baton.services.loadtest.workloads.random import RandomWorkload, RequestClass
 from baton.services.loadtest.workloads.shared_prefix import SharedPrefixWorkload
 from baton.services.loadtest.workloads.sharegpt import ShareGPTWorkload
+from loadtest_helpers import METRIC_KEYS
 from testlib.models import tiny_model
 
 pytestmark = pytest.mark.ray
 
 BLOCK = 16
-METRIC_KEYS = {
-    "num_requests", "num_completed", "num_failed", "num_good", "duration_s", "request_throughput",
-    "output_token_throughput", "total_token_throughput", "goodput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
-    "server_ttft_ms", "dispatch_lag_ms", "prompt_tokens", "output_tokens", "cached_tokens", "cached_token_ratio",
-    "token_check",
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +95,8 @@ def test_random_mix_over_grpc(baton):
     run = check_complete(result, 15)
     assert result["server"]["model"] == "baton-tiny" and result["server"]["mode"] == "colocated"
     assert set(run["groups"]) == {"long", "short"}
-    assert all(r["server_ttft_ms"] is not None and r["kv_path"] == "colocated" for r in run["requests"])
+    assert all(r["server_ttft_ms"] is not None for r in run["requests"])
+    assert run["metrics"]["kv_paths"] == {"colocated": 15} and run["metrics"]["errors"] == {}
     assert (
         run["metrics"]["server_ttft_ms"]["p50"] <= run["metrics"]["ttft_ms"]["p50"]
     )  # the client's includes the network
@@ -165,6 +161,17 @@ def test_http_backend_against_batons_openai_endpoint(baton):
         baton, ShareGPTWorkload(sharegpt_file(), output_len=8), backend="openai", endpoint="chat", num_requests=6
     )
     check_complete(chat, 6)
+
+
+def test_multi_turn_over_http_re_tokenizes_replies(baton):
+    workload = MultiTurnWorkload(2, L.parse("32"), L.parse("16"), L.parse("8"))
+    tokenizer = str(tiny_model("llama"))
+    result = bench(
+        baton, workload, backend="openai", loads=[LoadSpec(max_concurrency=3)], num_requests=6, tokenizer=tokenizer
+    )
+    run = check_complete(result, 6)
+    second = [r for r in run["requests"] if r["turn"] == 1]
+    assert len(second) == 3 and all(r["prompt_tokens"] > 32 + 16 and r["usage"]["cached_tokens"] >= 32 for r in second)
 
 
 def test_input_errors_against_a_live_server(baton):

@@ -13,14 +13,8 @@ from baton.services.loadtest.plots import write_run_plots
 from baton.services.loadtest.records import Usage
 from baton.services.loadtest.report import format_summary, load_result, result_dict, write_result
 from baton.services.loadtest.runner import LoadSpec, RunOutcome
-from loadtest_helpers import record
+from loadtest_helpers import METRIC_KEYS, record
 
-METRIC_KEYS = {
-    "num_requests", "num_completed", "num_failed", "num_good", "duration_s", "request_throughput",
-    "output_token_throughput", "total_token_throughput", "goodput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
-    "server_ttft_ms", "dispatch_lag_ms", "prompt_tokens", "output_tokens", "cached_tokens", "cached_token_ratio",
-    "token_check",
-}  # fmt: skip
 STAT_KEYS = {"count", "mean", "std", "min", "p50", "p90", "p99", "max"}
 
 
@@ -60,6 +54,7 @@ def test_result_has_every_metric_and_round_trips(tmp_path):
     assert m["tpot_ms"]["mean"] == pytest.approx((100.0 + 50.0) / 2)
     assert m["server_ttft_ms"]["count"] == 0 and m["server_ttft_ms"]["p50"] is None  # NaN is written as null
     assert m["cached_token_ratio"] == pytest.approx(16 / 60)
+    assert m["errors"] == {"UNAVAILABLE: x": 1} and m["kv_paths"] == {}
     assert data["config"]["slo_ms"] == {"ttft_s": pytest.approx(200.0), "tpot_s": pytest.approx(200.0), "e2e_s": None}
     assert set(run["groups"]) == {"long", "short"} and run["groups"]["short"]["num_requests"] == 2
     assert [r["meets_slo"] for r in run["requests"]] == [True, False, False]
@@ -83,11 +78,20 @@ def test_summary_table(tmp_path):
     assert "2 req/s" in lines[1] and "4 req/s" in lines[1]
     row = {line[:32].strip(): line[32:].split() for line in lines[3:]}
     assert row["requests ok / sent"] == ["2", "/", "3", "2", "/", "3"]
-    assert row["requests meeting SLO"] == ["1", "(50%)", "1", "(50%)"]
+    assert row["requests meeting SLO"] == ["1", "(33%)", "1", "(33%)"]  # of those sent: a failure misses it
     assert row["TTFT p50 (ms)"] == ["200.0", "200.0"]
     assert row["token check (client vs server)"] == ["ok", "ok"]
     assert row["cached-token ratio"] == ["26.7%", "26.7%"]
     assert len(lines) < 40  # one screen
+
+
+def test_many_runs_get_a_row_each():
+    lines = format_summary(result(rates=(1.0, 2.0, 3.0, 4.0, 5.0))).splitlines()
+    assert lines[1] == "(latencies in ms)"
+    assert lines[2].split()[:4] == ["run", "ok", "req/s", "goodput"]
+    rows = [line.split() for line in lines[4:]]
+    assert [row[:2] for row in rows] == [["1", "req/s"], ["2", "req/s"], ["3", "req/s"], ["4", "req/s"], ["5", "req/s"]]
+    assert all(row[2:5] == ["2", "/", "3"] and row[7] == "33%" for row in rows)
 
 
 def test_plots_are_written(tmp_path):

@@ -61,8 +61,16 @@ def test_random_classes_lengths_and_reproducibility():
             assert len(ids) == 16 and 8 <= turn.max_tokens <= 12
     again = workload.session(0, 0, 5)
     assert again.turns[0].new_token_ids == sessions[5].turns[0].new_token_ids
-    assert workload.session(0, 1, 5).turns[0].new_token_ids != sessions[5].turns[0].new_token_ids  # next run
     assert workload.session(1, 0, 5).turns[0].new_token_ids != sessions[5].turns[0].new_token_ids  # other seed
+    # the next run of a sweep: the same shapes, other tokens (nothing for the prefix cache to find)
+    for i in range(50):
+        a, b = sessions[i], workload.session(0, 1, i)
+        assert (a.group, len(a.turns[0].new_token_ids), a.turns[0].max_tokens) == (
+            b.group,
+            len(b.turns[0].new_token_ids),
+            b.turns[0].max_tokens,
+        )
+        assert a.turns[0].new_token_ids != b.turns[0].new_token_ids
 
 
 @pytest.mark.parametrize("spec", ["a,1,10", "a,x,10,10", "a,0,10,10", "a,1,foo,10"])
@@ -89,8 +97,11 @@ def test_shared_prefix_groups_share_exact_prefixes():
     assert len({tuple(p) for p in prefixes.values()}) == 4  # groups differ
     for g, prompts in by_group.items():
         assert all(p[:64] == prefixes[g] and 68 <= len(p) <= 72 for p in prompts)
-    # the next run of a sweep gets fresh prefixes (the server has not cached them)
-    assert workload.session(0, 1, 0).turns[0].new_token_ids[:64] not in list(prefixes.values())
+    # the next run of a sweep: the same groups and lengths, fresh prefixes (the server has not cached them)
+    for i in range(20):
+        a, b = sessions[i], workload.session(0, 1, i)
+        assert a.group == b.group and len(a.turns[0].new_token_ids) == len(b.turns[0].new_token_ids)
+        assert b.turns[0].new_token_ids[:64] not in list(prefixes.values())
 
 
 def test_zipf_popularity():
@@ -122,6 +133,9 @@ def test_multi_turn_sessions_and_context_bound():
     assert [t.group for t in session.turns] == ["turn-1", "turn-2", "turn-3"]
     assert len(session.turns[0].new_token_ids) == 40 and all(5 <= len(t.new_token_ids) <= 10 for t in session.turns[1:])
     assert session.think_time_s == 0.5
+    other_run = workload.session(0, 1, 0)
+    assert [len(t.new_token_ids) for t in other_run.turns] == [len(t.new_token_ids) for t in session.turns]
+    assert other_run.turns[0].new_token_ids != session.turns[0].new_token_ids
 
 
 def test_text_prompts_are_single_turn():
