@@ -7,7 +7,7 @@ disagg   colocated (2 colocated replicas) vs disaggregated (1 prefill + 1 decode
          the same number of engine workers, each one CPU thread, on a mix of long prompts
          with short replies and short prompts with longer replies. Headline: TPOT p99 and
          goodput (TTFT and TPOT SLO).
-routing  prefix-aware placement vs Serve's default (power of two choices, prefix-blind)
+routing  prefix-aware placement vs round robin (prefix-blind)
          with 2 prefill replicas and 1 decode replica, on shared-prefix prompts whose
          prefixes together overflow one replica's KV cache. Headline: TTFT p90 and cached-
          token ratio; goal TTFT p90 <= 0.33x the prefix-blind one.
@@ -16,7 +16,7 @@ Each configuration ("arm") runs in its own process (`--only-arm`): Ray, Redis an
 start, the sweep runs with the same seed (so the same prompts and arrival times), and
 everything stops. Results go to OUT/SCENARIO/ARM/ (result.json and plots); the comparison
 table and plot to OUT/SCENARIO/. `--set ARM:dotted.key=value` changes one config field of
-one arm, e.g. `--set baseline:router.placement=round_robin` once that placement exists.
+one arm, e.g. `--set round-robin:router.placement=power_of_two` (Serve's default router).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
                 "router": {"placement": "prefix_aware"},
             },
-            "baseline": {  # prefix-blind: Serve's power-of-two choices
+            "round-robin": {  # prefix-blind baseline
                 "mode": "disaggregated",
                 "engine": _engine(),
                 "prefill": {
@@ -100,7 +100,7 @@ SCENARIOS: dict[str, Scenario] = {
                     "engine_overrides": {"cache": {"num_kv_blocks": 320}},
                 },
                 "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-                "router": {"placement": "power_of_two"},
+                "router": {"placement": "round_robin"},
             },
         },
         rates="2,4",

@@ -110,8 +110,10 @@ class RouterSection(BaseModel):
     redis: RedisConfig | None = Field(
         None, description="Redis for the index and registry; None: `baton serve` starts one"
     )
-    placement: Literal["prefix_aware", "power_of_two"] = Field(
-        "prefix_aware", description="How the gateway picks engine replicas: Baton's router, or Serve's default"
+    placement: Literal["prefix_aware", "power_of_two", "round_robin"] = Field(
+        "prefix_aware",
+        description="How the gateway picks engine replicas: Baton's prefix-aware router, Serve's default "
+        "(power of two choices), or round robin",
     )
     index: IndexConfig = IndexConfig()
     policy: PolicyConfig = PolicyConfig()

@@ -45,7 +45,7 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .request_router import BatonRequestRouter
+    from .request_router import BatonRequestRouter, RoundRobinRequestRouter
 
     section = config.deployment(role)
     options = section.serve_options()
@@ -54,6 +54,8 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config):
             request_router_class=BatonRequestRouter,
             request_router_kwargs={"router_config": _json_config(router_config), "role": role},
         )
+    elif config.router.placement == "round_robin":
+        options["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRequestRouter)
     deployment = serve.deployment(EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options)
     return deployment.bind(
         role, config.engine_config(role), config.served_model_name, router_config, section.max_waiting_requests

@@ -108,6 +108,23 @@ class BatonRequestRouter(FIFOMixin, RequestRouter):
         return info.address if info is not None else None
 
 
+class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
+    """Prefix-blind baseline: replicas in turn (the benchmarks' round-robin arm)."""
+
+    def initialize_state(self) -> None:
+        self._next = 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        first = self._next % len(ordered)
+        self._next += 1
+        return [[replica] for replica in ordered[first:] + ordered[:first]]
+
+
 def _call_of(pending_request: PendingRequest | None) -> GenerateCall | DecodeCall | None:
     if pending_request is None:
         return None
