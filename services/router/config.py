@@ -94,8 +94,8 @@ class IndexConfig(BaseModel):
     speculative_ttl_s: float = Field(
         3.0,
         ge=0,
-        description="After a placement, the chosen worker counts as holding the prompt's blocks for this "
-        "long, until its own events arrive (0: off)",
+        description="After a placement, the chosen worker counts as holding the prompt's blocks (recorded at "
+        "checkpoints, see prefix_index.py) for this long, until its own events arrive (0: off)",
     )
     pending_ttl_s: float = Field(
         5.0,

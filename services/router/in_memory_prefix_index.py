@@ -22,6 +22,8 @@ from .prefix_index import (
     PrefixIndex,
     WorkerView,
     check_role,
+    checkpoint_positions,
+    checkpoints_beyond,
 )
 from .worker_info import WorkerInfo, WorkerLoad
 
@@ -34,7 +36,7 @@ class _Worker:
     alive_until_ms: int = 0
     next_seq: int | None = None  # None: no sequence yet (a snapshot must come first)
     blocks: set[BlockHash] = field(default_factory=set)
-    speculative: dict[BlockHash, int] = field(default_factory=dict)  # hash -> expiry ms
+    speculative: dict[BlockHash, int] = field(default_factory=dict)  # checkpoint hash -> expiry ms
     num_pending_requests: int = 0  # placements since the last load report
     num_pending_tokens: int = 0
     pending_until_ms: int = 0  # they stop counting then
@@ -97,7 +99,7 @@ class InMemoryPrefixIndex(PrefixIndex):
         if worker is None:
             return False
         worker.blocks = set(snapshot.block_hashes)
-        worker.speculative.clear()  # the snapshot replaces the worker's whole sorted set
+        worker.speculative.clear()  # a snapshot starts the worker's entries afresh
         worker.next_seq = snapshot.next_seq
         return True
 
@@ -124,16 +126,18 @@ class InMemoryPrefixIndex(PrefixIndex):
             )
         return views
 
-    def record_placement(self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int) -> None:
+    def record_placement(
+        self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int, num_cached_blocks: int = 0
+    ) -> None:
         worker = self._workers.get(worker_id)
         now = self._clock()
         if worker is None or not self._is_alive(worker, now):
             return
         spec_ttl_ms = int(self.config.speculative_ttl_s * 1000)
         if spec_ttl_ms > 0 and block_hashes:
-            for block_hash in block_hashes:  # ZADD GT: cached blocks stay cached, expiries only grow
-                if block_hash not in worker.blocks:
-                    worker.speculative[block_hash] = max(worker.speculative.get(block_hash, 0), now + spec_ttl_ms)
+            for position in checkpoints_beyond(len(block_hashes), num_cached_blocks):  # ZADD GT: expiries only grow
+                block_hash = block_hashes[position - 1]
+                worker.speculative[block_hash] = max(worker.speculative.get(block_hash, 0), now + spec_ttl_ms)
             worker.speculative = {h: t for h, t in worker.speculative.items() if t > now}
         if worker.pending_until_ms <= now:
             worker.num_pending_requests = worker.num_pending_tokens = 0
@@ -170,12 +174,12 @@ class InMemoryPrefixIndex(PrefixIndex):
             worker.blocks.clear()
             worker.speculative.clear()
             return
-        for block_hash in event.block_hashes:  # stored or removed: no longer a prediction either way
-            worker.speculative.pop(block_hash, None)
         if isinstance(event, BlockStored):
             worker.blocks.update(event.block_hashes)
-        else:
-            worker.blocks.difference_update(event.block_hashes)
+            return
+        worker.blocks.difference_update(event.block_hashes)
+        for block_hash in event.block_hashes:  # evicted: no longer a prediction either
+            worker.speculative.pop(block_hash, None)
 
     @staticmethod
     def _is_alive(worker: _Worker, now: int) -> bool:
@@ -183,7 +187,12 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     @staticmethod
     def _prefix_length(worker: _Worker, block_hashes: Sequence[BlockHash], now: int) -> int:
-        for i, block_hash in enumerate(block_hashes):
-            if block_hash not in worker.blocks and worker.speculative.get(block_hash, 0) <= now:
-                return i
-        return len(block_hashes)
+        """The cached run, then the live speculative checkpoints that continue it (prefix_index.py)."""
+        length = next((i for i, h in enumerate(block_hashes) if h not in worker.blocks), len(block_hashes))
+        for position in checkpoint_positions(len(block_hashes)):
+            if position <= length:
+                continue
+            if worker.speculative.get(block_hashes[position - 1], 0) <= now:
+                break
+            length = position
+        return length

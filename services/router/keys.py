@@ -8,10 +8,10 @@
     ns:w:<id>:state     HASH  load: "<reported_at_ms>,<WorkerLoad>"; requests, tokens, until:
                                placements since that report (counted until `until` ms).
                                It expires after the heartbeat TTL: its presence is the heartbeat
-    ns:w:<id>:blocks    ZSET  16-byte block hash -> +inf when the worker's events stored it,
-                               or an expiry ms for a router's speculative entry
+    ns:w:<id>:cached    SET   16-byte hashes of the blocks the worker's events stored
+    ns:w:<id>:spec      ZSET  routers' speculative entries: checkpoint block hash -> expiry ms
     ns:w:<id>:seq       STRING next KV-event sequence number the index expects from it
-    ns:w:<id>:snapshot  ZSET  a snapshot being uploaded, renamed onto :blocks when complete
+    ns:w:<id>:snapshot  SET   a snapshot being uploaded, renamed onto :cached when complete
 
 The Lua scripts (lua_scripts.py) build the same names from the namespace; this class is
 their Python twin, for the snapshot upload and for tests.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .config import check_key_part
 
-WORKER_KEY_PARTS = ("state", "blocks", "seq", "snapshot")
+WORKER_KEY_PARTS = ("state", "cached", "spec", "seq", "snapshot")
 
 
 class Keyspace:

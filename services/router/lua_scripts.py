@@ -5,8 +5,10 @@ them carry the model's hash tag, so under Redis Cluster a script touches a singl
 A `now_ms` argument of -1 means "Redis's own clock" (`TIME`), so every router judges
 expiry by the same clock; tests and simulations pass their own time instead.
 
-A worker's blocks live in one sorted set, so one ZMSCORE answers "cached or predicted?":
-a block its events stored scores +inf, a router's speculative entry scores its expiry.
+A worker's blocks live in a set (what its events stored); routers' predictions live beside
+it in a small sorted set of checkpoint hashes scored by expiry (prefix_index.py says what a
+query credits). A query's cost is mostly hash look-ups in those sets, each a few cache
+misses: per worker one or two, plus about as many as the worker holds of the prompt.
 
 Block hashes travel packed: one argument holding n * 16 bytes, split inside the script.
 Packing a prompt's 128 hashes into one argument, and answering a query with one string,
@@ -49,7 +51,7 @@ local function scored(score, packed)  -- ZADD arguments for packed hashes: score
   return args
 end
 local function wipe(id)
-  redis.call('UNLINK', wkey(id, 'state'), wkey(id, 'blocks'), wkey(id, 'seq'), wkey(id, 'snapshot'))
+  redis.call('UNLINK', wkey(id, 'state'), wkey(id, 'cached'), wkey(id, 'spec'), wkey(id, 'seq'), wkey(id, 'snapshot'))
   redis.call('HDEL', key('workers'), id)
   redis.call('SREM', key('role:prefill'), id)
   redis.call('SREM', key('role:decode'), id)
@@ -88,14 +90,15 @@ DEREGISTER = _PRELUDE + "wipe(ARGV[2])\nreturn 1\n"
 
 # ARGV: ns, worker_id, then each event as three arguments: kind (S stored | R removed |
 # C cleared), seq, packed hashes. Events below the expected seq were applied already (a
-# retried batch) and are skipped; one above it is a gap: the script stops there.
+# retried batch) and are skipped; one above it is a gap: the script stops there. A removal
+# also drops the blocks' speculative entries; a clear drops them all.
 # Returns {status, next expected seq}; status is ok | gap | missing | unregistered.
 APPLY_EVENTS = (
     _PRELUDE
     + """
 local id = ARGV[2]
 if redis.call('HEXISTS', key('workers'), id) == 0 then return {'unregistered', -1} end
-local seq_key, blocks = wkey(id, 'seq'), wkey(id, 'blocks')
+local seq_key, cached, spec = wkey(id, 'seq'), wkey(id, 'cached'), wkey(id, 'spec')
 local nxt = redis.call('GET', seq_key)
 if not nxt then return {'missing', -1} end
 nxt = tonumber(nxt)
@@ -105,11 +108,13 @@ for i = 3, #ARGV, 3 do
   if seq > nxt then status = 'gap' break end
   if seq == nxt then
     if kind == 'S' then
-      chunked('ZADD', blocks, scored('inf', ARGV[i + 2]))  -- CHUNK is even: pairs stay whole
+      chunked('SADD', cached, split(ARGV[i + 2]))
     elseif kind == 'R' then
-      chunked('ZREM', blocks, split(ARGV[i + 2]))
+      local hashes = split(ARGV[i + 2])
+      chunked('SREM', cached, hashes)
+      chunked('ZREM', spec, hashes)
     else
-      redis.call('UNLINK', blocks)
+      redis.call('UNLINK', cached, spec)
     end
     nxt = nxt + 1
   end
@@ -121,45 +126,129 @@ return {status, nxt}
 
 # Runs after the pipeline that filled ns:w:<id>:snapshot. ARGV: ns, worker_id, next_seq,
 # number of hashes. Returns 1, -1 (worker not registered) or -2 (the upload is incomplete).
+# The worker's speculative entries go too: the snapshot starts its entries afresh.
 COMMIT_SNAPSHOT = (
     _PRELUDE
     + """
 local id = ARGV[2]
-local tmp, blocks = wkey(id, 'snapshot'), wkey(id, 'blocks')
+local tmp, cached = wkey(id, 'snapshot'), wkey(id, 'cached')
 if redis.call('HEXISTS', key('workers'), id) == 0 then redis.call('UNLINK', tmp) return -1 end
-if redis.call('ZCARD', tmp) ~= tonumber(ARGV[4]) then redis.call('UNLINK', tmp) return -2 end
-redis.call('UNLINK', blocks)
-if tonumber(ARGV[4]) > 0 then redis.call('RENAME', tmp, blocks) end
+if redis.call('SCARD', tmp) ~= tonumber(ARGV[4]) then redis.call('UNLINK', tmp) return -2 end
+redis.call('UNLINK', cached, wkey(id, 'spec'))
+if tonumber(ARGV[4]) > 0 then redis.call('RENAME', tmp, cached) end
 redis.call('SET', wkey(id, 'seq'), ARGV[3])
 return 1
 """
 )
 
+# The checkpoint positions of a prompt of `num` blocks: prefix_index.checkpoint_positions.
+CHECKPOINTS = """
+local function checkpoints(num)
+  local positions, position, step = {}, 1, 1
+  while position <= num do
+    positions[#positions + 1] = position
+    position = position + step
+    if position >= 8 * step then step = step * 2 end
+  end
+  if num > 0 and positions[#positions] ~= num then positions[#positions + 1] = num end
+  return positions
+end
+"""
+
 # ARGV: ns, role, now_ms, the prompt's packed block hashes (in order).
 # Returns one string, a line per alive worker of the role:
-#   "<id> <reported_at_ms>,<load> <cached prefix blocks> <pending requests> <pending tokens>"
-# The prefix search gallops (1, 2, 4, ... hashes per command) and stops at the first block
-# the worker lacks, so a worker costs in proportion to what it holds, not to the prompt.
+#   "<id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens>"
+# Hashes are split off the packed argument only when a lookup needs them.
 QUERY = (
     _PRELUDE
+    + CHECKPOINTS
     + """
 local now = clock(ARGV[3])
-local hashes = split(ARGV[4])
-local function prefix_len(id)
-  local blocks = wkey(id, 'blocks')
-  local n, step = 0, 1
-  while n < #hashes do
-    local first, last = n + 1, math.min(n + step, #hashes)
-    local scores = redis.call('ZMSCORE', blocks, unpack(hashes, first, last))
-    for j = 1, #scores do
-      local score = scores[j]  -- false: absent; 'inf': cached; a number: speculative until then
-      if not (score and (score == 'inf' or tonumber(score) > now)) then return n end
-      n = n + 1
-    end
-    step = math.min(step * 2, CHUNK)
+local packed = ARGV[4]
+local num = #packed / HASH_BYTES
+local hashes, sub = {}, string.sub
+local function at(i)
+  local h = hashes[i]
+  if not h then
+    h = sub(packed, (i - 1) * HASH_BYTES + 1, i * HASH_BYTES)
+    hashes[i] = h
   end
-  return n
+  return h
 end
+
+-- The cached run: how many of the prompt's blocks 1, 2, ... the worker's set holds one after
+-- another. Block 1 is looked up alone (most workers lack it); then blocks 2, 4, 8, ... and the
+-- last one in one command, and then up to 7 evenly spaced blocks per command, find where the
+-- run most likely ends (a cache that holds a block usually holds its whole prefix). A last
+-- command looks up every block below that end not looked up yet, so a gap still ends the run
+-- exactly where it is. A run of n blocks costs about n + 7 log8 n lookups in log8 n commands.
+local function cached_run(k)
+  if num == 0 or redis.call('SISMEMBER', k, at(1)) == 0 then return 0 end
+  local looked = {true}
+  local lo, hi = 1, num + 1  -- block lo is held, block hi is not (or lies past the end)
+  local function narrow(positions)  -- looks the positions up (ascending, inside (lo, hi))
+    local args = {}
+    for j, i in ipairs(positions) do
+      looked[i] = true
+      args[j] = at(i)
+    end
+    for j, held in ipairs(redis.call('SMISMEMBER', k, unpack(args))) do
+      if held == 0 then hi = positions[j] return end
+      lo = positions[j]
+    end
+  end
+  local doubling, i = {}, 2
+  while i < num do
+    doubling[#doubling + 1] = i
+    i = 2 * i
+  end
+  if num > 1 then doubling[#doubling + 1] = num end
+  if #doubling > 0 then narrow(doubling) end
+  while hi - lo > 1 do
+    local positions, width = {}, hi - lo
+    local count = math.min(7, width - 1)
+    for j = 1, count do positions[j] = lo + math.floor(j * width / (count + 1)) end
+    narrow(positions)
+  end
+  local rest = {}
+  for j = 2, lo - 1 do
+    if not looked[j] then rest[#rest + 1] = j end
+  end
+  for a = 1, #rest, CHUNK do
+    local args = {}
+    for j = a, math.min(a + CHUNK - 1, #rest) do args[#args + 1] = at(rest[j]) end
+    for j, held in ipairs(redis.call('SMISMEMBER', k, unpack(args))) do
+      if held == 0 then return rest[a + j - 1] - 1 end
+    end
+  end
+  return lo
+end
+
+-- The predicted run: the live checkpoints that continue a run of `length` blocks, one after
+-- another, looked up in batches of 1 (most workers have none for this prompt), 4, 16, ...
+local grid = checkpoints(num)
+local function is_live(expiry) return expiry and tonumber(expiry) > now end
+local function predicted_run(k, length)
+  local first, size = 1, 1
+  while grid[first] and grid[first] <= length do first = first + 1 end
+  while grid[first] do
+    local args = {}
+    for j = first, math.min(first + size - 1, #grid) do args[#args + 1] = at(grid[j]) end
+    local expiries = size == 1 and {redis.call('ZSCORE', k, args[1])} or redis.call('ZMSCORE', k, unpack(args))
+    for j = 1, #args do
+      if not is_live(expiries[j]) then return length end
+      length = grid[first]
+      first = first + 1
+    end
+    size = 4 * size
+  end
+  return length
+end
+
+local function prefix_len(id)
+  return predicted_run(wkey(id, 'spec'), cached_run(wkey(id, 'cached')))
+end
+
 local rows = {}
 for _, id in ipairs(redis.call('SMEMBERS', key('role:' .. ARGV[2]))) do
   local state = redis.call('HMGET', wkey(id, 'state'), 'load', 'requests', 'tokens', 'until')
@@ -174,21 +263,21 @@ return table.concat(rows, '\\n')
 )
 
 # ARGV: ns, worker_id, new prompt tokens, spec_ttl_ms, pending_ttl_ms, now_ms, packed hashes
-# of the blocks the worker will hold once it has prefilled the prompt.
+# of the placed prompt's checkpoints past its credited prefix (prefix_index.checkpoints_beyond).
 # Returns 1, or 0 when the worker is no longer alive (nothing is written).
 RECORD_PLACEMENT = (
     _PRELUDE
     + """
 local id = ARGV[2]
-local state, blocks = wkey(id, 'state'), wkey(id, 'blocks')
+local state, spec = wkey(id, 'state'), wkey(id, 'spec')
 local pending = redis.call('HMGET', state, 'requests', 'tokens', 'until')
 if not pending[1] then return 0 end
 local now = clock(ARGV[6])
 local spec_ttl, pending_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 if spec_ttl > 0 and #ARGV[7] > 0 then
-  -- GT: a cached block (+inf) stays cached; an older speculative entry gets the later expiry.
-  chunked('ZADD', blocks, scored(now + spec_ttl, ARGV[7]), 'GT')
-  redis.call('ZREMRANGEBYSCORE', blocks, '-inf', now)
+  -- GT: an entry's expiry only grows. CHUNK is even: (score, member) pairs stay whole.
+  chunked('ZADD', spec, scored(now + spec_ttl, ARGV[7]), 'GT')
+  redis.call('ZREMRANGEBYSCORE', spec, '-inf', now)
 end
 local requests, tokens = tonumber(pending[1]), tonumber(pending[2])
 if tonumber(pending[3]) <= now then requests, tokens = 0, 0 end

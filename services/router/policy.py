@@ -6,8 +6,10 @@ read the same Redis state decide the same; ties break by worker id.
 
 Per candidate (a WorkerView, prefix_index.py), for a prompt of T tokens and block size B:
 
-    cached   = its longest cached prefix of the prompt, in blocks, at most (T - 1) // B
-               (the engine always computes the last prompt token, as the prefix cache does)
+    cached   = the prefix of the prompt the index credits it with, in blocks (its cached
+               run, continued by live speculative checkpoints: prefix_index.py), at most
+               (T - 1) // B (the engine always computes the last prompt token, as the
+               prefix cache does)
     new      = T - cached * B              prompt tokens it would have to prefill
     requests = running + waiting + placements newer than its last load report
     queued   = waiting prefill tokens + the new tokens of those placements
@@ -84,7 +86,7 @@ class RoutingRequest:
         return (self.num_prompt_tokens - 1) // self.block_size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per worker per decision, and frozen ones cost 4x to build
 class RankedWorker:
     worker_id: str
     cost: float  # what the policy ranked by (lower is better; tokens for prefill)
@@ -121,29 +123,35 @@ class PrefixAwarePolicy(RoutingPolicy):
     def rank(self, request: RoutingRequest, candidates: Sequence[WorkerView]) -> Placement:
         if not candidates:
             return Placement((), PlacementReason.NO_WORKERS)
-        ranked = [self._cost(request, c) for c in candidates]
-        by_id = {c.worker_id: c for c in candidates}
-        if self.is_imbalanced(candidates):
-            ranked.sort(
-                key=lambda r: (by_id[r.worker_id].num_requests, by_id[r.worker_id].num_queued_tokens, r.worker_id)
-            )
-            return Placement(tuple(ranked), PlacementReason.IMBALANCE)
-        ranked.sort(key=lambda r: (r.cost, by_id[r.worker_id].num_requests, r.worker_id))
+        requests = [c.num_requests for c in candidates]
+        queued = [c.num_queued_tokens for c in candidates]
+        ranked = self._costs(request, candidates, queued)
+        if self.is_imbalanced(requests):
+            keys = [(requests[i], queued[i], r.worker_id, i) for i, r in enumerate(ranked)]
+            return Placement(tuple(ranked[key[-1]] for key in sorted(keys)), PlacementReason.IMBALANCE)
+        keys = [(r.cost, requests[i], r.worker_id, i) for i, r in enumerate(ranked)]
+        ranked = [ranked[key[-1]] for key in sorted(keys)]
         if self.config.temperature > 0 and len(ranked) > 1:
             ranked.insert(0, ranked.pop(self._draw(request, ranked)))
         reason = PlacementReason.PREFIX if ranked[0].num_cached_blocks > 0 else PlacementReason.LOAD
         return Placement(tuple(ranked), reason)
 
-    def is_imbalanced(self, candidates: Sequence[WorkerView]) -> bool:
-        loads = [c.num_requests for c in candidates]
-        most, fewest = max(loads), min(loads)
+    def is_imbalanced(self, requests: Sequence[int]) -> bool:
+        """The guard (step 1), over the candidates' request counts."""
+        most, fewest = max(requests), min(requests)
         return most - fewest > self.config.balance_abs_threshold and most > self.config.balance_rel_threshold * fewest
 
-    def _cost(self, request: RoutingRequest, candidate: WorkerView) -> RankedWorker:
-        cached = min(candidate.num_cached_blocks, request.max_cached_blocks)
-        new = request.num_prompt_tokens - cached * request.block_size
-        cost = self.config.overlap_weight * new + candidate.num_queued_tokens
-        return RankedWorker(candidate.worker_id, cost, cached, new)
+    def _costs(
+        self, request: RoutingRequest, candidates: Sequence[WorkerView], queued: list[int]
+    ) -> list[RankedWorker]:
+        max_cached, num_tokens, block_size = request.max_cached_blocks, request.num_prompt_tokens, request.block_size
+        weight = self.config.overlap_weight
+        ranked = []
+        for candidate, num_queued in zip(candidates, queued):
+            cached = min(candidate.num_cached_blocks, max_cached)
+            new = num_tokens - cached * block_size
+            ranked.append(RankedWorker(candidate.worker_id, weight * new + num_queued, cached, new))
+        return ranked
 
     def _draw(self, request: RoutingRequest, ranked: list[RankedWorker]) -> int:
         """Index of the softmax-drawn worker; the seed is the request id, so replicas agree."""

@@ -9,17 +9,33 @@ index of single-process simulations).
                   apply_events    the worker's KV events, in sequence order; a gap, a lost
                   replace_blocks  index or a lost registration asks for a snapshot instead
     router side:  query           one round trip: every alive worker of a role, its load,
-                                  and the longest cached prefix of the prompt's blocks
-                  record_placement  speculative entries + pending load for the chosen worker
+                                  and the prefix of the prompt it is credited with
+                  record_placement  speculative entries (at checkpoints) + pending load
+                                  for the chosen worker
 
-A block counts as cached on a worker when the worker's events say so, or when a router
-recorded it speculatively and the entry has not expired. Nothing of a worker whose
-heartbeat expired is ever returned; `collect_garbage` deletes its entries.
+A query credits each worker with a prefix of the prompt, in blocks:
+
+    cached   the longest run of the prompt's blocks, from the first, that the worker's
+             events say it holds (exact: a missing block ends the run where it is)
+    then     the run goes on through the prompt's checkpoints beyond it (positions 1..8,
+             then four per doubling: 10, 12, 14, 16, 20, 24, ...; and the prompt's last
+             block) for as long as each is a live speculative entry of that worker
+
+A placement leaves speculative entries at the checkpoints of the placed prompt beyond the
+prefix the worker was credited with, each live for `speculative_ttl_s`. Block hashes
+chain, so an entry for position k stands for the whole prefix of k blocks: a later prompt
+sharing m blocks with the placed one is credited up to the largest checkpoint <= m (over
+four fifths of m), and all m blocks when it repeats the placed prompt. A removal (or
+clear) event drops the entries of those blocks; a stored event leaves them (the cached run
+covers them from then on); a snapshot drops them all. Nothing of a worker whose heartbeat
+expired is ever returned; `collect_garbage` deletes its entries.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -55,14 +71,14 @@ class HeartbeatResult(enum.IntEnum):
     REGISTERED = 1  # (re-)registered: the index holds no blocks for this worker
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per worker per query, and frozen ones cost 4x to build
 class WorkerView:
     """One alive worker as a query sees it, for one prompt."""
 
     worker_id: str
     load: WorkerLoad  # its latest report
     reported_at_ms: int  # when that report was written (index clock)
-    num_cached_blocks: int  # longest run of the prompt's blocks, from the first, that it holds
+    num_cached_blocks: int  # prefix of the prompt it holds or is predicted to (module header)
     num_pending_requests: int  # placements newer than its report
     num_pending_tokens: int  # their uncached prompt tokens
 
@@ -73,6 +89,30 @@ class WorkerView:
     @property
     def num_queued_tokens(self) -> int:
         return self.load.num_waiting_prefill_tokens + self.num_pending_tokens
+
+
+@functools.lru_cache(maxsize=4096)
+def checkpoint_positions(num_blocks: int) -> tuple[int, ...]:
+    """Prefix lengths (1-based block positions) that carry speculative entries, ascending.
+
+    1..8, then four per doubling (at most three significant bits), then `num_blocks` itself.
+    lua_scripts.py computes the same list for a query; a test holds the two together.
+    """
+    positions, position, step = [], 1, 1
+    while position <= num_blocks:
+        positions.append(position)
+        position += step
+        if position >= 8 * step:
+            step *= 2
+    if positions and positions[-1] != num_blocks:
+        positions.append(num_blocks)
+    return tuple(positions)
+
+
+def checkpoints_beyond(num_blocks: int, num_cached_blocks: int) -> tuple[int, ...]:
+    """The checkpoint positions of a prompt of `num_blocks` past its first `num_cached_blocks`."""
+    positions = checkpoint_positions(num_blocks)
+    return positions[bisect.bisect_right(positions, num_cached_blocks) :]
 
 
 def check_role(role: str) -> str:
@@ -107,8 +147,12 @@ class PrefixIndex(ABC):
         """Every alive worker of the role, sorted by id, with the prompt's cached prefix length."""
 
     @abstractmethod
-    def record_placement(self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int) -> None:
-        """Speculative entries for the blocks, and pending load (nothing if the worker is not alive).
+    def record_placement(
+        self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int, num_cached_blocks: int = 0
+    ) -> None:
+        """Speculative entries at the checkpoints of the prompt (`block_hashes`: all its full
+        blocks) beyond the `num_cached_blocks` the worker was credited with, and pending load;
+        nothing if the worker is not alive.
 
         It may return before the index has applied it, but every later `query` of this index
         object sees it.

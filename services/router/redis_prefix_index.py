@@ -9,6 +9,7 @@ router routes by load, the worker agent retries and then republishes a snapshot.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 import redis
 
@@ -25,11 +26,13 @@ from .prefix_index import (
     PrefixIndex,
     WorkerView,
     check_role,
+    checkpoints_beyond,
 )
 from .script_channel import ScriptChannel
 from .worker_info import WorkerInfo, WorkerLoad
 
 _SNAPSHOT_CHUNK = WorkerConfig.model_fields["snapshot_chunk_size"].default
+_worker_id = attrgetter("worker_id")
 
 
 class RedisPrefixIndex(PrefixIndex):
@@ -46,7 +49,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.config = config or IndexConfig()
         self._clock = clock
         self._snapshot_chunk_size = snapshot_chunk_size
-        self._loads: dict[str, WorkerLoad] = {}
+        self._reports: dict[str, tuple[int, WorkerLoad]] = {}
         self._spec_ttl_ms = int(self.config.speculative_ttl_s * 1000)
         self._pending_ttl_ms = int(self.config.pending_ttl_s * 1000)
         register = client.register_script
@@ -90,7 +93,7 @@ class RedisPrefixIndex(PrefixIndex):
         pipe = self.client.pipeline(transaction=False)
         pipe.unlink(tmp)
         for begin in range(0, len(hashes), self._snapshot_chunk_size):
-            pipe.zadd(tmp, dict.fromkeys(hashes[begin : begin + self._snapshot_chunk_size], "inf"))
+            pipe.sadd(tmp, *hashes[begin : begin + self._snapshot_chunk_size])
         self._commit_snapshot(args=[self.keys.namespace, worker_id, snapshot.next_seq, len(hashes)], client=pipe)
         result = pipe.execute()[-1]
         if result == -2:
@@ -101,25 +104,20 @@ class RedisPrefixIndex(PrefixIndex):
 
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
         args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes)]
-        reply = self._channel.call(lua_scripts.QUERY, args)
+        fields = self._channel.call(lua_scripts.QUERY, args).decode().split()  # 5 fields per worker
         views = []
-        for row in reply.decode().splitlines():
-            worker_id, load, num_cached, num_pending, pending_tokens = row.split(" ")
-            reported_at, _, fields = load.partition(",")
+        rows = iter(fields)
+        for worker_id, report, num_cached, num_pending, pending_tokens in zip(rows, rows, rows, rows, rows):
+            reported_at, load = self._decode_report(report)
             views.append(
-                WorkerView(
-                    worker_id,
-                    self._decode_load(fields),
-                    int(reported_at),
-                    int(num_cached),
-                    int(num_pending),
-                    int(pending_tokens),
-                )
+                WorkerView(worker_id, load, reported_at, int(num_cached), int(num_pending), int(pending_tokens))
             )
-        views.sort(key=lambda view: view.worker_id)  # SMEMBERS order differs between servers
+        views.sort(key=_worker_id)  # SMEMBERS order differs between servers
         return views
 
-    def record_placement(self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int) -> None:
+    def record_placement(
+        self, worker_id: str, block_hashes: Sequence[BlockHash], num_new_tokens: int, num_cached_blocks: int = 0
+    ) -> None:
         args = [
             self.keys.namespace,
             worker_id,
@@ -127,7 +125,7 @@ class RedisPrefixIndex(PrefixIndex):
             self._spec_ttl_ms,
             self._pending_ttl_ms,
             self._now_ms(),
-            b"".join(block_hashes),
+            b"".join([block_hashes[p - 1] for p in checkpoints_beyond(len(block_hashes), num_cached_blocks)]),
         ]
         self._channel.send(lua_scripts.RECORD_PLACEMENT, args)
 
@@ -150,18 +148,20 @@ class RedisPrefixIndex(PrefixIndex):
         return self._collect_garbage(args=[self.keys.namespace])
 
     def cached_blocks(self, worker_id: str) -> set[BlockHash]:
-        return set(self.client.zrange(self.keys.worker(worker_id, "blocks"), "+inf", "+inf", byscore=True))
+        return set(self.client.smembers(self.keys.worker(worker_id, "cached")))
 
     # -- internals --------------------------------------------------------------------
 
-    def _decode_load(self, text: str) -> WorkerLoad:
-        """Loads change a few times a second and repeat across queries: decode each text once."""
-        load = self._loads.get(text)
-        if load is None:
-            if len(self._loads) > 4096:
-                self._loads.clear()
-            load = self._loads[text] = WorkerLoad.decode(text)
-        return load
+    def _decode_report(self, text: str) -> tuple[int, WorkerLoad]:
+        """`<reported_at_ms>,<load>`. A report repeats across queries until the next heartbeat:
+        decode each text once."""
+        report = self._reports.get(text)
+        if report is None:
+            if len(self._reports) > 4096:
+                self._reports.clear()
+            reported_at, _, load = text.partition(",")
+            report = self._reports[text] = (int(reported_at), WorkerLoad.decode(load))
+        return report
 
     def _now_ms(self) -> int:
         return -1 if self._clock is None else self._clock()

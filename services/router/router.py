@@ -81,6 +81,7 @@ class PrefixRouter:
         self.counters = RouterCounters()
         self._clock = clock
         self._infos: dict[str, WorkerInfo] = {}  # immutable per worker id (the id carries the epoch)
+        self._usable_ids: set[str] = set()  # known, with this router's block size
         self._last_views: dict[str, list[WorkerView]] = {}  # per role, from the last successful query
         self._outage_requests: Counter = Counter()  # placed per worker while Redis was unavailable
         self._outage_tokens: Counter = Counter()
@@ -213,15 +214,17 @@ class PrefixRouter:
         return Placement(placement.ranked, PlacementReason.FALLBACK)
 
     def _record(self, best: RankedWorker, block_hashes: Sequence[BlockHash]) -> None:
-        """Speculative entries for the blocks the worker does not hold yet, and pending load."""
-        predicted = block_hashes[best.num_cached_blocks :]
+        """Speculative entries at the prompt's checkpoints the worker was not credited with, and pending load."""
         try:
-            self.index.record_placement(best.worker_id, predicted, best.num_new_tokens)
+            self.index.record_placement(best.worker_id, block_hashes, best.num_new_tokens, best.num_cached_blocks)
         except redis.RedisError as e:
             self._on_redis_error(e)  # the decision stands; only the next one loses its hint
 
     def _usable(self, views: list[WorkerView]) -> list[WorkerView]:
         """Drops workers without a registry entry or with another block size (logged once each)."""
+        usable_ids = self._usable_ids
+        if all(v.worker_id in usable_ids for v in views):
+            return views
         unknown = [v.worker_id for v in views if v.worker_id not in self._infos]
         if unknown:
             self._infos.update(self.index.worker_infos(unknown))
@@ -242,12 +245,14 @@ class PrefixRouter:
                     )
                 continue
             usable.append(view)
+            usable_ids.add(view.worker_id)
         return usable
 
     def _forget_departed(self, views: list[WorkerView]) -> None:
         if len(self._infos) > 2 * len(views) + 64:
             alive = {v.worker_id for views_of_role in [views, *self._last_views.values()] for v in views_of_role}
             self._infos = {w: info for w, info in self._infos.items() if w in alive}
+            self._usable_ids &= alive
 
     def _maybe_collect_garbage(self) -> None:
         if self._clock() < self._next_gc or not self.availability.is_available:

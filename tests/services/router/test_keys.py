@@ -11,7 +11,7 @@ def test_every_key_shares_the_models_hash_tag():
     assert keys.namespace == "baton:{llama-3}"
     assert keys.workers == "baton:{llama-3}:workers"
     assert keys.role("prefill") == "baton:{llama-3}:role:prefill"
-    assert keys.worker("w@0a", "blocks") == "baton:{llama-3}:w:w@0a:blocks"
+    assert keys.worker("w@0a", "cached") == "baton:{llama-3}:w:w@0a:cached"
 
 
 def test_models_and_prefixes_never_share_keys():

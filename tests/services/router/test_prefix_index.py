@@ -119,6 +119,34 @@ def test_speculative_entries_count_until_they_expire_or_are_removed(setup):
     assert index.cached_blocks(a) == set(HASHES[:2])  # speculative entries are never "confirmed"
 
 
+def test_a_placement_is_predicted_at_its_checkpoints(setup):
+    index, _, _ = setup
+    a = registered(index, "a").worker_id
+    chain = hash_request_tokens(list(range(4 * 40)), 4)  # checkpoints 1..8, 10, 12, 14, 16, 20, ..., 32, 40
+    other = hash_request_tokens(list(range(4 * 30)) + [99_999] * 40, 4)  # shares 30 blocks with chain
+
+    def credited(hashes):
+        return index.query("prefill", hashes)[0].num_cached_blocks
+
+    index.record_placement(a, chain[:37], num_new_tokens=148)  # checkpoints up to 32, and 37
+    assert credited(chain[:37]) == 37  # the same prompt: all of it
+    assert credited(chain[:40]) == 32  # shares 37 blocks: the last checkpoint of its own below that
+    assert credited(other) == 28
+    index.apply_events(a, [BlockRemoved(0, (chain[11],))])  # evicts block 12: its entry goes
+    assert credited(chain[:37]) == 10
+
+
+def test_a_placement_records_only_beyond_the_credited_prefix(setup):
+    index, _, _ = setup
+    a = registered(index, "a").worker_id
+    chain = hash_request_tokens(list(range(4 * 40)), 4)
+    index.apply_events(a, [stored(0, chain[:10])])
+    index.record_placement(a, chain[:24], num_new_tokens=56, num_cached_blocks=10)
+    assert index.query("prefill", chain[:24])[0].num_cached_blocks == 24  # cached 10, then 12, 14, ..., 24
+    index.apply_events(a, [BlockRemoved(1, tuple(chain[:10]))])  # the cached run is gone, and with it the start
+    assert index.query("prefill", chain[:24])[0].num_cached_blocks == 0
+
+
 def test_pending_placements_count_until_a_newer_load_report(setup):
     index, clock, _ = setup
     info = registered(index, "a")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 
 from baton.services.engine.block_hash import hash_request_tokens
 from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
-from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad
+from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad, lua_scripts
+from baton.services.router.prefix_index import checkpoint_positions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from testlib.router_setup import make_config, make_index, make_info
@@ -55,7 +57,38 @@ def test_the_server_clock_judges_expiry_when_no_clock_is_injected(redis_server):
     assert index.query("prefill", hashes)[0].num_cached_blocks == 0
     index.record_placement(info.worker_id, hashes[:1], 4)  # a later placement prunes expired entries
     index.flush()
-    assert index.client.zcard(index.keys.worker(info.worker_id, "blocks")) == 1
+    assert index.client.zcard(index.keys.worker(info.worker_id, "spec")) == 1
+
+
+def test_long_prompts_with_gaps_and_predictions_agree_with_the_model(redis_server):
+    """The query's search (probes, then one look-up of the rest) against the model's plain scan."""
+    clock = Clock()
+    redis_index = make_index(make_config(redis_server), clock=clock)
+    model = InMemoryPrefixIndex(redis_index.config, clock=clock)
+    info = make_info("a")
+    chain = hash_request_tokens(list(range(4 * 300)), 4)
+    rng = random.Random(0)
+    for case in range(150):
+        held = set(chain[: rng.randint(0, 300)])  # a cached prefix, then maybe gaps and strays
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            held.discard(rng.choice(chain))
+        held.update(rng.sample(chain, rng.choice([0, 0, 5])))
+        placed = rng.randint(0, 300)
+        credited = rng.randint(0, placed)
+        for index in (redis_index, model):
+            index.heartbeat(info, WorkerLoad(), TTL_S)
+            index.replace_blocks(info.worker_id, KVCacheSnapshot(case, frozenset(held)))
+            index.record_placement(info.worker_id, chain[:placed], 0, credited)
+        for length in (300, 257, placed, 64, 9, 1):
+            got = redis_index.query("prefill", chain[:length])[0].num_cached_blocks
+            assert got == model.query("prefill", chain[:length])[0].num_cached_blocks, (case, length)
+
+
+def test_the_scripts_checkpoints_are_the_models(redis_server):
+    script = lua_scripts.CHECKPOINTS + "return checkpoints(tonumber(ARGV[1]))"
+    client = redis_server.client()
+    for num_blocks in [*range(0, 200), 255, 256, 257, 1000, 9000]:
+        assert tuple(client.eval(script, 0, num_blocks)) == checkpoint_positions(num_blocks)
 
 
 # -- property: Redis and the in-memory model agree on any event stream -----------------
@@ -71,7 +104,7 @@ operations = st.one_of(
     st.tuples(st.just("lose_event"), worker),  # the next sequence number is never delivered
     st.tuples(st.just("replay"), worker),  # the last batch is delivered again
     st.tuples(st.just("snapshot"), worker, st.frozensets(st.integers(0, len(BLOCKS) - 1), max_size=8)),
-    st.tuples(st.just("place"), worker, st.integers(0, len(BLOCKS)), st.integers(0, 64)),
+    st.tuples(st.just("place"), worker, st.integers(0, len(BLOCKS)), st.integers(0, 64), st.integers(0, 12)),
     st.tuples(st.just("heartbeat"), worker, st.integers(0, 5)),
     st.tuples(st.just("advance"), st.integers(0, 2_000)),
 )
@@ -131,12 +164,12 @@ def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
         elif kind == "snapshot":
             both("replace_blocks", worker_id, KVCacheSnapshot(next_seq[name], frozenset(BLOCKS[i] for i in op[2])))
         elif kind == "place":
-            both("record_placement", worker_id, BLOCKS[: op[2]], op[3])
+            both("record_placement", worker_id, BLOCKS[: op[2]], op[3], op[4])
         elif kind == "heartbeat":
             both("heartbeat", infos[name], WorkerLoad(op[2], 0, 0, 0, 0), TTL_S)
         else:
             clock.now_ms += op[1]
         for name in WORKERS:
             both("cached_blocks", infos[name].worker_id)
-        for length in (0, 3, len(BLOCKS)):
+        for length in (0, 3, 9, 11, len(BLOCKS)):  # 9 and 11 end between checkpoints
             both("query", "prefill", BLOCKS[:length])
