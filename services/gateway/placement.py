@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,25 +50,15 @@ class ColocatedPlacement(Placement):
         self.worker = worker_handle
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        response = self.worker.options(stream=True).generate.remote(call)
-        finished = False
-        try:
-            async for output in response:
-                finished = output.finished
+        async with aclosing(_until_finished(self.worker.options(stream=True).generate.remote(call))) as outputs:
+            async for output in outputs:
                 yield output
-        finally:
-            if not finished:
-                response.cancel()
 
     async def model_info(self) -> WorkerModelInfo:
         return await self.worker.model_info.remote()
 
     async def is_healthy(self) -> bool:
-        try:
-            await self.worker.stats.remote()
-        except Exception:  # no replica answered
-            return False
-        return True
+        return await _answers(self.worker)
 
     @property
     def roles(self) -> list[str]:
@@ -103,31 +94,44 @@ class DisaggregatedPlacement(Placement):
         trace.prefill_worker = kv.source_worker_id
         yield _unfinished(first)
         response = self.decode.options(stream=True).decode.remote(DecodeCall(call, first.token_ids, kv))
-        finished = False
-        try:
-            async for output in response:
-                finished = output.finished
+        async with aclosing(_until_finished(response)) as outputs:
+            async for output in outputs:
                 trace.kv_path = output.kv_path or trace.kv_path
                 output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
                 yield output
-        finally:
-            if not finished:
-                response.cancel()
 
     async def model_info(self) -> WorkerModelInfo:
         return await self.decode.model_info.remote()
 
     async def is_healthy(self) -> bool:
-        try:
-            await self.prefill.stats.remote()
-            await self.decode.stats.remote()
-        except Exception:  # a role without an answering replica
-            return False
-        return True
+        return await _answers(self.prefill) and await _answers(self.decode)
 
     @property
     def roles(self) -> list[str]:
         return ["prefill", "decode"]
+
+
+async def _until_finished(response: Any) -> AsyncIterator[RequestOutput]:
+    """A Serve streaming response's outputs; leaving early cancels the request downstream.
+
+    Callers iterate it under `aclosing`, so the cancel happens when they stop, not when the
+    generator is collected."""
+    finished = False
+    try:
+        async for output in response:
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            response.cancel()
+
+
+async def _answers(handle: Any) -> bool:
+    try:
+        await handle.stats.remote()
+    except Exception:  # no replica answered
+        return False
+    return True
 
 
 def _unfinished(output: RequestOutput) -> RequestOutput:
