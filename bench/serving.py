@@ -1,8 +1,11 @@
 """Service-level benchmarks: a local Baton per configuration, loaded by `baton bench`, compared.
 
+    python bench/serving.py ttft    [--model bench]
     python bench/serving.py disagg  [--model bench] [--rates 0.5,1,1.5,2] [--num-requests 40] [--out DIR]
     python bench/serving.py routing [--model bench] [--rates 2,4]   [--num-requests 120] [--out DIR]
 
+ttft     TTFT of 2048-token prompts, one at a time: colocated (1 replica) vs disaggregated
+         (1 prefill + 1 decode); goal disaggregated <= 1.1x colocated.
 disagg   colocated (2 colocated replicas) vs disaggregated (1 prefill + 1 decode replica):
          the same number of engine workers, each one CPU thread, on a mix of long prompts
          with short replies and short prompts with longer replies. Headline: TPOT p99 and
@@ -47,13 +50,36 @@ class Scenario:
     num_requests: int  # per rate
     slo_ms: tuple[float, float]  # TTFT, TPOT
     headline: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    concurrency: int | None = None  # requests in flight at most (None: open loop)
 
 
-def _engine(num_kv_blocks: int = 1024) -> dict[str, Any]:
-    return {"model": {"max_model_len": 2048}, "cache": {"num_kv_blocks": num_kv_blocks}, **ONE_THREAD}
+def _engine(num_kv_blocks: int = 1024, max_model_len: int = 2048) -> dict[str, Any]:
+    return {"model": {"max_model_len": max_model_len}, "cache": {"num_kv_blocks": num_kv_blocks}, **ONE_THREAD}
 
 
 SCENARIOS: dict[str, Scenario] = {
+    # TTFT of 2k-token prompts, one at a time: disaggregation must not delay the first token
+    # (it is streamed from the prefill worker before the handover).
+    "ttft": Scenario(
+        arms={
+            "colocated": {
+                "mode": "colocated",
+                "engine": _engine(max_model_len=4096),
+                "colocated": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+            },
+            "disaggregated": {
+                "mode": "disaggregated",
+                "engine": _engine(max_model_len=4096),
+                "prefill": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+            },
+        },
+        rates="inf",
+        num_requests=12,
+        slo_ms=(5000.0, 200.0),
+        headline=[("TTFT p50 (ms)", ("ttft_ms", "p50")), ("TTFT p90 (ms)", ("ttft_ms", "p90"))],
+        concurrency=1,
+    ),
     "disagg": Scenario(
         arms={
             "colocated": {
@@ -117,6 +143,8 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def workload_for(scenario: str):
+    if scenario == "ttft":
+        return RandomWorkload([RequestClass("2k-prompt", 1, L.parse("2048"), L.parse("8"))])
     if scenario == "disagg":
         return RandomWorkload(
             [
@@ -175,7 +203,7 @@ def run_arm(args: argparse.Namespace, arm: str, out_dir: Path) -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
         spec = BenchmarkSpec(
             workload=workload_for(args.scenario),
-            loads=[LoadSpec(rate=r) for r in rates],
+            loads=[LoadSpec(rate=r, max_concurrency=scenario.concurrency) for r in rates],
             bounds=Bounds(args.num_requests or scenario.num_requests, args.duration),
             address=deployment.grpc_address,
             slo=Slo(ttft_ms / 1000, tpot_ms / 1000),
