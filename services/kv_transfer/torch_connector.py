@@ -8,7 +8,9 @@ rendezvous for data groups:
             them in order
   data      one 2-rank process group per (decode rank, prefill rank) pair, built lazily on a
             PrefixStore of the prefill rank's store (prefill = rank 0, decode = rank 1), reused,
-            and rebuilt under a new generation after a failure. Adding or removing a replica
+            and rebuilt under a new generation after a failure. Its name holds both ends and
+            the generation; the transfers of one pair run one at a time (a message of one
+            landing in another's receive would abort the process inside gloo). Adding or removing a replica
             never touches the other pairs' groups.
 
 One transfer, pipelined layer by layer (the next layer is in flight while one is packed
@@ -163,7 +165,7 @@ class TorchDistributedConnector(KVConnector):
 
     def _recv_locked(self, task: KVRecvTask, endpoint: str) -> int:
         store = self._client(endpoint)
-        pair = f"pair/{self.uid}/{self.rank}/{self._generations.get(endpoint, 0)}"
+        pair = self._pair_name(endpoint, self._generations.get(endpoint, 0))
         request = {
             "transfer_id": task.params.transfer_id,
             "blocks": list(task.src_block_ids),
@@ -202,12 +204,19 @@ class TorchDistributedConnector(KVConnector):
             self._clients[endpoint] = client
         return client
 
+    def _pair_name(self, endpoint: str, generation: int) -> str:
+        """The data group's name: its store prefix on the prefill side, and its key in `_groups`.
+
+        It names both ends (this rank, the prefill rank's endpoint): a decode rank receives
+        from many prefill ranks, each over a group of its own."""
+        return f"pair/{self.uid}/{self.rank}/{endpoint}/{generation}"
+
     def _drop_pair(self, endpoint: str) -> None:
         """After a failure: forget the group (and the store client); the next transfer uses a new generation."""
         with self._lock:
             generation = self._generations.get(endpoint, 0)
             self._generations[endpoint] = generation + 1
-            self._groups.pop(f"pair/{self.uid}/{self.rank}/{generation}", None)
+            self._groups.pop(self._pair_name(endpoint, generation), None)
             self._clients.pop(endpoint, None)
 
     # -- prefill side -----------------------------------------------------------------

@@ -140,6 +140,36 @@ def test_seeded_sampling_continues_across_the_handover(pair, llama_dir):
     settle(p, d)
 
 
+def test_one_decode_engine_receives_from_two_prefill_engines_at_once(llama_dir, expected):
+    """Each prefill rank is a pair of its own: concurrent receives never cross groups."""
+    d = engine(llama_dir, "consumer", timeout_s=5.0)
+    producers = [engine(llama_dir, "producer", timeout_s=5.0) for _ in range(2)]
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        for round_ in range(2):  # the second round reuses both groups
+            ids = [f"p{i}-{round_}" for i in range(len(producers))]
+            firsts = [prefill(p, request_id) for p, request_id in zip(producers, ids)]
+            for request_id, first in zip(ids, firsts):
+                d.submit(
+                    d.prepare(
+                        request_id,
+                        PROMPT,
+                        params,
+                        output_prefix=first.token_ids,
+                        remote_kv=first.kv_transfer_params,
+                    )
+                )
+            outs = run([d, *producers], lambda f, ids=ids: all(i in f for i in ids))
+            for request_id, first in zip(ids, firsts):
+                assert first.token_ids + outs[request_id].token_ids == expected
+                assert outs[request_id].kv_path == "transferred"
+        settle(d, *producers)
+        assert d.stats().kv_recv_ok == 4
+    finally:
+        for e in (d, *producers):
+            e.shutdown()
+
+
 @pytest.mark.parametrize(
     "faults,kv",
     [
