@@ -136,7 +136,7 @@ class Simulation:
         ahead = [r for r in (worker.running, *worker.queue) if r is not None]
         will_hold = set(worker.kv.pool.cached).union(*(r.block_hashes for r in ahead))
         cached = next((i for i, h in enumerate(request.block_hashes) if h not in will_hold), len(request.block_hashes))
-        return WorkerView(worker.worker_id, worker.load(), 0, cached, 0, 0)
+        return WorkerView(worker.worker_id, worker.load(), 0, cached, 0, 0, len(worker.kv.pool.cached))
 
     def _make_router(self, redis_url: str) -> PrefixRouter:
         config = RouterConfig(model="sim", block_size=BLOCK_SIZE, redis=RedisConfig(url=redis_url, socket_timeout_s=5))

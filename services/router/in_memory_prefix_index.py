@@ -122,6 +122,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                     self._prefix_length(worker, block_hashes, now),
                     worker.num_pending_requests if counts else 0,
                     worker.num_pending_tokens if counts else 0,
+                    len(worker.blocks),
                 )
             )
         return views

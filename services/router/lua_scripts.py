@@ -157,7 +157,7 @@ end
 
 # ARGV: ns, role, now_ms, the prompt's packed block hashes (in order).
 # Returns one string, a line per alive worker of the role:
-#   "<id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens>"
+#   "<id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens> <stored blocks>"
 # Hashes are split off the packed argument only when a lookup needs them.
 QUERY = (
     _PRELUDE
@@ -255,7 +255,8 @@ for _, id in ipairs(redis.call('SMEMBERS', key('role:' .. ARGV[2]))) do
   if state[1] then  -- the heartbeat has not expired
     local requests, tokens = state[2], state[3]
     if tonumber(state[4]) <= now then requests, tokens = 0, 0 end
-    rows[#rows + 1] = table.concat({id, state[1], prefix_len(id), requests, tokens}, ' ')
+    local stored = redis.call('SCARD', wkey(id, 'cached'))
+    rows[#rows + 1] = table.concat({id, state[1], prefix_len(id), requests, tokens, stored}, ' ')
   end
 end
 return table.concat(rows, '\\n')

@@ -13,6 +13,7 @@ Per candidate (a WorkerView, prefix_index.py), for a prompt of T tokens and bloc
     new      = T - cached * B              prompt tokens it would have to prefill
     requests = running + waiting + placements newer than its last load report
     queued   = waiting prefill tokens + the new tokens of those placements
+    stored   = blocks the index holds for it (its whole cache, not just this prompt)
 
 PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
 
@@ -22,8 +23,11 @@ PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
     (requests, queued, id); reason "imbalance".
  2. Affinity. cost = overlap_weight * new + queued, in tokens: the prefill this request
     adds on that worker plus the prefill already queued ahead of it. Rank by
-    (cost, requests, id); reason "prefix" if the first worker holds part of the prompt,
-    else "load". A warm worker wins while its queue is shorter than the prefill it saves.
+    (cost, requests, stored, id); reason "prefix" if the first worker holds part of the
+    prompt, else "load". A warm worker wins while its queue is shorter than the prefill it
+    saves. On equal cost and load, a prompt goes to the worker holding the least: a prefix
+    nobody holds lands where it evicts the least, so idle workers split new prefixes between
+    them instead of all going to the first id (which then thrashes while the others idle).
  3. Temperature (optional). With temperature t > 0 the first worker is drawn with
     probability proportional to exp(-(cost - min cost) / (t * T)), so t = 1 means a cost
     gap of one whole prompt makes a worker e times less likely; the rest follow by cost.
@@ -129,7 +133,10 @@ class PrefixAwarePolicy(RoutingPolicy):
         if self.is_imbalanced(requests):
             keys = [(requests[i], queued[i], r.worker_id, i) for i, r in enumerate(ranked)]
             return Placement(tuple(ranked[key[-1]] for key in sorted(keys)), PlacementReason.IMBALANCE)
-        keys = [(r.cost, requests[i], r.worker_id, i) for i, r in enumerate(ranked)]
+        keys = [
+            (r.cost, requests[i], c.num_stored_blocks, r.worker_id, i)
+            for i, (r, c) in enumerate(zip(ranked, candidates))
+        ]
         ranked = [ranked[key[-1]] for key in sorted(keys)]
         if self.config.temperature > 0 and len(ranked) > 1:
             ranked.insert(0, ranked.pop(self._draw(request, ranked)))

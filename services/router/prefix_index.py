@@ -81,6 +81,7 @@ class WorkerView:
     num_cached_blocks: int  # prefix of the prompt it holds or is predicted to (module header)
     num_pending_requests: int  # placements newer than its report
     num_pending_tokens: int  # their uncached prompt tokens
+    num_stored_blocks: int = 0  # blocks its events say it holds, of any prompt
 
     @property
     def num_requests(self) -> int:

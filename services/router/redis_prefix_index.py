@@ -104,13 +104,21 @@ class RedisPrefixIndex(PrefixIndex):
 
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
         args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes)]
-        fields = self._channel.call(lua_scripts.QUERY, args).decode().split()  # 5 fields per worker
+        fields = self._channel.call(lua_scripts.QUERY, args).decode().split()  # 6 fields per worker
         views = []
         rows = iter(fields)
-        for worker_id, report, num_cached, num_pending, pending_tokens in zip(rows, rows, rows, rows, rows):
+        for worker_id, report, num_cached, num_pending, pending_tokens, num_stored in zip(*[rows] * 6):
             reported_at, load = self._decode_report(report)
             views.append(
-                WorkerView(worker_id, load, reported_at, int(num_cached), int(num_pending), int(pending_tokens))
+                WorkerView(
+                    worker_id,
+                    load,
+                    reported_at,
+                    int(num_cached),
+                    int(num_pending),
+                    int(pending_tokens),
+                    int(num_stored),
+                )
             )
         views.sort(key=_worker_id)  # SMEMBERS order differs between servers
         return views

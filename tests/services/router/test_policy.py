@@ -18,9 +18,9 @@ from baton.services.router import (
 BLOCK = 16
 
 
-def view(worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100):
+def view(worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100, stored=0):
     load = WorkerLoad(running, waiting, queued, free, 128)
-    return WorkerView(worker_id, load, 0, cached, pending, pending_tokens)
+    return WorkerView(worker_id, load, 0, cached, pending, pending_tokens, stored)
 
 
 def request(num_tokens=256, request_id="r") -> RoutingRequest:
@@ -86,6 +86,17 @@ def test_ties_break_by_worker_id_whatever_the_input_order():
     for order in (candidates, candidates[::-1]):
         assert PrefixAwarePolicy().rank(request(), order).worker_ids == ["a", "b", "c"]
         assert LoadPolicy().rank(request(), order).worker_ids == ["a", "b", "c"]
+
+
+def test_a_prefix_nobody_holds_goes_to_the_worker_holding_least():
+    """Idle workers split new prefixes between them instead of all going to the first id."""
+    candidates = [view("a", stored=300), view("b", stored=40), view("c", stored=120)]
+    assert PrefixAwarePolicy().rank(request(), candidates).worker_ids == ["b", "c", "a"]
+    # cost and load still come first
+    warm = [view("a", cached=4, stored=300), view("b", stored=0)]
+    assert PrefixAwarePolicy().rank(request(), warm).best.worker_id == "a"
+    busy = [view("a", running=1, stored=0), view("b", stored=300)]
+    assert PrefixAwarePolicy().rank(request(), busy).best.worker_id == "b"
 
 
 def test_temperature_spreads_ties_reproducibly_by_request_id():

@@ -102,6 +102,8 @@ def test_query_returns_the_longest_cached_consecutive_prefix(setup):
     cached = {v.worker_id: v.num_cached_blocks for v in index.query("prefill", HASHES)}
     assert cached == {a: 3, b: 0}
     assert {v.num_cached_blocks for v in index.query("prefill", [])} == {0}
+    stored_blocks = {v.worker_id: v.num_stored_blocks for v in index.query("prefill", HASHES)}
+    assert stored_blocks == {a: 7, b: 5}  # everything each holds, of any prompt
 
 
 def test_speculative_entries_count_until_they_expire_or_are_removed(setup):
