@@ -163,6 +163,19 @@ class BatonConfig(BaseModel):
     def deployment(self, role: Role) -> EngineDeploymentConfig:
         return getattr(self, role)
 
+    def num_cpus_requested(self) -> float:
+        """Logical CPUs the application reserves at its largest: every replica (autoscaling at
+        its maximum) and, under tensor parallelism, each replica's rank actors (one CPU each)."""
+
+        def replicas(deployment: DeploymentConfig) -> int:
+            return deployment.num_replicas if deployment.autoscaling is None else deployment.autoscaling.max_replicas
+
+        total = replicas(self.gateway) * self.gateway.ray_actor_options.num_cpus
+        for role in self.roles:
+            deployment, tp = self.deployment(role), self.engine_config(role).parallel.tensor_parallel_size
+            total += replicas(deployment) * (deployment.ray_actor_options.num_cpus + (tp if tp > 1 else 0))
+        return total
+
     def engine_config(self, role: Role) -> EngineConfig:
         """The shared engine section, the role's overrides, and the role's side of the handover."""
         overrides = self.deployment(role).engine_overrides

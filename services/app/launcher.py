@@ -7,6 +7,7 @@ application, stopped cleanly on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -62,6 +63,24 @@ def resolve_config(
     return load_config(path, merged)
 
 
+def local_num_cpus(config: BatonConfig) -> int:
+    """Logical CPUs for a local Ray: this machine's, or what the config reserves if that is more.
+
+    Logical CPUs only decide what Ray will schedule; on a small machine the replicas then share
+    its cores (each engine runs the torch threads its config gives it), instead of a replica
+    waiting forever for a CPU that does not exist."""
+    requested = math.ceil(config.num_cpus_requested())
+    available = os.cpu_count() or 1
+    if requested > available:
+        logger.info(
+            "the config reserves %d CPUs, this machine has %d: Ray gets %d logical CPUs",
+            requested,
+            available,
+            requested,
+        )
+    return max(available, requested)
+
+
 @dataclass
 class LocalDeployment:
     """Ray + Redis + the application, on this machine."""
@@ -94,7 +113,7 @@ class LocalDeployment:
         if not ray.is_initialized():
             ray.init(
                 include_dashboard=False,
-                num_cpus=self.num_cpus,
+                num_cpus=self.num_cpus or local_num_cpus(config),
                 _temp_dir=str(self.run_dir / "ray"),
                 log_to_driver=False,
                 _metrics_export_port=self.metrics_export_port or free_port(),

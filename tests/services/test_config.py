@@ -1,0 +1,46 @@
+"""The service config: the shipped YAML files load, and what a local Ray must offer them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from baton.services.app.launcher import local_num_cpus
+from baton.services.config import load_config
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+MODEL = {"engine": {"model": {"model": "/models/m"}}}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load(path):
+    config = load_config(path, MODEL)
+    assert config.roles
+
+
+def test_the_default_is_disaggregated_with_the_prefix_aware_router():
+    config = load_config(Path(__file__).parents[2] / "configs" / "local.yaml", MODEL)
+    assert config.mode == "disaggregated" and config.router.placement == "prefix_aware"
+
+
+def test_cpus_requested_count_replicas_autoscaling_maxima_and_tp_ranks():
+    config = load_config(
+        None,
+        {
+            **MODEL,
+            "mode": "disaggregated",
+            "gateway": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
+            "prefill": {"autoscaling": {"min_replicas": 1, "max_replicas": 3}, "ray_actor_options": {"num_cpus": 1}},
+            "decode": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+        },
+    )
+    assert config.num_cpus_requested() == pytest.approx(0.5 + 3 * 1 + 2 * 0.5)
+    tp = load_config(None, {**MODEL, "engine": {**MODEL["engine"], "parallel": {"tensor_parallel_size": 2}}})
+    assert tp.num_cpus_requested() == pytest.approx(0.25 + 1 + 2)  # the replica, and one CPU per rank
+
+
+def test_a_local_ray_offers_at_least_what_the_config_reserves():
+    config = load_config(None, {**MODEL, "colocated": {"num_replicas": 64}})
+    assert local_num_cpus(config) == math.ceil(0.25 + 64)
+    assert local_num_cpus(load_config(None, MODEL)) >= 2
