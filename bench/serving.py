@@ -2,7 +2,8 @@
 
     python bench/serving.py ttft    [--model bench]
     python bench/serving.py disagg  [--model bench] [--rates 0.5,1,1.5,2] [--num-requests 40] [--out DIR]
-    python bench/serving.py routing [--model bench] [--rates 2,4]   [--num-requests 120] [--out DIR]
+    python bench/serving.py routing [--model bench] [--rates 1,2]   [--num-requests 120] [--out DIR]
+    python bench/serving.py interference [--model bench] [--rates 1.25] [--num-requests 80] [--out DIR]
 
 ttft     TTFT of 2048-token prompts, one at a time: colocated (1 replica) vs disaggregated
          (1 prefill + 1 decode); goal disaggregated <= 1.1x colocated.
@@ -10,6 +11,12 @@ disagg   colocated (2 colocated replicas) vs disaggregated (1 prefill + 1 decode
          the same number of engine workers, each one CPU thread, on a mix of long prompts
          with short replies and short prompts with longer replies. Headline: TPOT p99 and
          goodput (TTFT and TPOT SLO).
+interference
+         a steady decode load (short prompts, 128-token replies) with long prompts (2k
+         tokens) arriving among it, on 2 colocated replicas vs 1 prefill + 1 decode; each
+         mode also runs "quiet" (the decode load alone, at the same rate of short
+         requests). Headline: the short requests' TPOT p99; goal disaggregated <= 1.25x its
+         quiet TPOT p99 while colocated degrades.
 routing  prefix-aware placement vs round robin (prefix-blind)
          with 2 prefill replicas and 1 decode replica, on shared-prefix prompts whose
          prefixes together overflow one replica's KV cache. Headline: TTFT p90 and cached-
@@ -51,11 +58,26 @@ class Scenario:
     slo_ms: tuple[float, float]  # TTFT, TPOT
     headline: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     concurrency: int | None = None  # requests in flight at most (None: open loop)
+    # arm -> (workload variant, rate factor); arms not named run the scenario's workload
+    workloads: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 def _engine(num_kv_blocks: int = 1024, max_model_len: int = 2048) -> dict[str, Any]:
     return {"model": {"max_model_len": max_model_len}, "cache": {"num_kv_blocks": num_kv_blocks}, **ONE_THREAD}
 
+
+# the same number of engine workers, one CPU each
+_COLOCATED_2 = {
+    "mode": "colocated",
+    "engine": _engine(),
+    "colocated": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
+}
+_DISAGGREGATED_1_1 = {
+    "mode": "disaggregated",
+    "engine": _engine(),
+    "prefill": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+    "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+}
 
 SCENARIOS: dict[str, Scenario] = {
     # TTFT of 2k-token prompts, one at a time: disaggregation must not delay the first token
@@ -81,19 +103,7 @@ SCENARIOS: dict[str, Scenario] = {
         concurrency=1,
     ),
     "disagg": Scenario(
-        arms={
-            "colocated": {
-                "mode": "colocated",
-                "engine": _engine(),
-                "colocated": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
-            },
-            "disaggregated": {
-                "mode": "disaggregated",
-                "engine": _engine(),
-                "prefill": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-                "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-            },
-        },
+        arms={"colocated": _COLOCATED_2, "disaggregated": _DISAGGREGATED_1_1},
         rates="0.5,1,1.5,2",
         num_requests=40,
         slo_ms=(2000.0, 100.0),
@@ -104,6 +114,25 @@ SCENARIOS: dict[str, Scenario] = {
             ("SLO attainment", ("_attainment",)),
         ],
     ),
+    "interference": Scenario(
+        arms={
+            "colocated": _COLOCATED_2,
+            "colocated-quiet": _COLOCATED_2,
+            "disaggregated": _DISAGGREGATED_1_1,
+            "disaggregated-quiet": _DISAGGREGATED_1_1,
+        },
+        rates="1.25",
+        num_requests=80,
+        slo_ms=(5000.0, 100.0),
+        headline=[
+            ("short TPOT p99 (ms)", ("groups", "short-prompt", "tpot_ms", "p99")),
+            ("short TPOT p50 (ms)", ("groups", "short-prompt", "tpot_ms", "p50")),
+            ("long TTFT p90 (ms)", ("groups", "long-prompt", "ttft_ms", "p90")),
+            ("goodput (req/s)", ("metrics", "goodput")),
+        ],
+        # the decode load alone: the short class at its rate in the mix (4 of every 5 requests)
+        workloads={"colocated-quiet": ("quiet", 0.8), "disaggregated-quiet": ("quiet", 0.8)},
+    ),
     "routing": Scenario(
         arms={
             "prefix-aware": {
@@ -112,7 +141,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "prefill": {
                     "num_replicas": 2,
                     "ray_actor_options": {"num_cpus": 0.5},
-                    "engine_overrides": {"cache": {"num_kv_blocks": 320}},  # 5120 tokens: about half the prefixes
+                    "engine_overrides": {"cache": {"num_kv_blocks": 320}},  # 5120 tokens: 5 of the 8 prefixes
                 },
                 "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
                 "router": {"placement": "prefix_aware"},
@@ -129,7 +158,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "router": {"placement": "round_robin"},
             },
         },
-        rates="2,4",
+        rates="1,2",
         num_requests=120,
         slo_ms=(1000.0, 150.0),
         headline=[
@@ -142,7 +171,11 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def workload_for(scenario: str):
+def workload_for(scenario: str, variant: str = "main"):
+    if scenario == "interference":
+        short = RequestClass("short-prompt", 4, L.parse("uniform:32:128"), L.parse("128"))
+        long = RequestClass("long-prompt", 1, L.parse("uniform:1536:2040"), L.parse("8"))
+        return RandomWorkload([short] if variant == "quiet" else [short, long])
     if scenario == "ttft":
         return RandomWorkload([RequestClass("2k-prompt", 1, L.parse("2048"), L.parse("8"))])
     if scenario == "disagg":
@@ -152,8 +185,10 @@ def workload_for(scenario: str):
                 RequestClass("short-prompt", 1, L.parse("uniform:32:128"), L.parse("64")),
             ]
         )
-    # 16 system prompts of 384 tokens (6144 tokens in all; a prefill replica caches 5120)
-    return SharedPrefixWorkload(16, L.parse("384"), L.parse("uniform:16:48"), L.parse("16"), "zipf:0.8")
+    # 8 equally popular system prompts of 1024 tokens: 8192 tokens in all, a prefill replica
+    # caches 5120 (5 of them), the two together all 8. Round robin sends every prefix to both
+    # replicas, so each thrashes; prefix-aware placement can split the prefixes between them.
+    return SharedPrefixWorkload(8, L.parse("1024"), L.parse("uniform:16:48"), L.parse("16"), "uniform")
 
 
 def arm_overrides(scenario: str, arm: str, settings: list[str]) -> dict[str, Any]:
@@ -194,7 +229,8 @@ def run_arm(args: argparse.Namespace, arm: str, out_dir: Path) -> None:
     model = model_path(args.model)
     overrides["engine"]["model"]["served_model_name"] = f"baton-{Path(model).name if model else 'tiny'}"
     config = resolve_config(None, model, overrides)
-    rates = [float(r) for r in (args.rates or scenario.rates).split(",")]
+    variant, rate_factor = scenario.workloads.get(arm, ("main", 1.0))
+    rates = [float(r) * rate_factor for r in (args.rates or scenario.rates).split(",")]
     ttft_ms, tpot_ms = scenario.slo_ms
     print(f"[{arm}] starting Baton ({config.mode}) ...", flush=True)
     run_dir = Path(tempfile.mkdtemp(prefix="baton-bench-", dir="/tmp"))
@@ -202,7 +238,7 @@ def run_arm(args: argparse.Namespace, arm: str, out_dir: Path) -> None:
         # after Ray's own handlers: a TERM from the parent stops Ray and Redis on the way out
         signal.signal(signal.SIGTERM, _raise_interrupt)
         spec = BenchmarkSpec(
-            workload=workload_for(args.scenario),
+            workload=workload_for(args.scenario, variant),
             loads=[LoadSpec(rate=r, max_concurrency=scenario.concurrency) for r in rates],
             bounds=Bounds(args.num_requests or scenario.num_requests, args.duration),
             address=deployment.grpc_address,
@@ -230,12 +266,12 @@ def headline(scenario: Scenario, results: dict[str, dict[str, Any]]) -> str:
                     value = m["num_good"] / m["num_requests"] if m["num_requests"] else None
                     cells.append(f"{name} {value:.0%}" if value is not None else f"{name} -")
                     continue
-                value = m
+                value = run if path[0] in ("metrics", "groups") else m  # the run's fields, or its metrics'
                 for key in path:
                     value = value.get(key) if isinstance(value, dict) else None
                 text = "-" if value is None else (f"{value:.1%}" if "ratio" in name else f"{value:.2f}")
                 cells.append(f"{name} {text}")
-            lines.append(f"{arm:<14} {run['load']['label']:<10} " + "  ".join(cells))
+            lines.append(f"{arm:<20} {run['load']['label']:<10} " + "  ".join(cells))
     return "\n".join(lines)
 
 
