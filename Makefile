@@ -59,8 +59,10 @@ bench-router: setup
 
 # Whole-service comparisons (local Ray + Redis per configuration; several minutes each).
 bench-serving: setup
-	$(BIN)/python bench/serving.py disagg
+	$(BIN)/python bench/serving.py ttft
+	$(BIN)/python bench/serving.py interference
 	$(BIN)/python bench/serving.py routing
+	$(BIN)/python bench/serving.py disagg
 
 # Kernel tests compiled on CUDA, then decode/prefill kernel benchmarks (bench/gpu_check.py).
 # No prerequisites: the GPU machine has torch and Triton but no venv. The venv's python when
