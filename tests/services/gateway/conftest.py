@@ -21,6 +21,7 @@ def baton_app():
         None,
         str(model),
         {
+            "mode": "colocated",
             "server": {"http_port": 0, "grpc_port": 0},
             "engine": {
                 "model": {"max_model_len": 256},

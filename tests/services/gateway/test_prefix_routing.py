@@ -22,6 +22,7 @@ def two_replicas():
         None,
         str(tiny_model("llama")),
         {
+            "mode": "colocated",
             "server": {"http_port": 0, "grpc_port": 0},
             "engine": {"model": {"max_model_len": 256}, "cache": {"num_kv_blocks": 128}},
             "colocated": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},

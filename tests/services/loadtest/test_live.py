@@ -35,6 +35,7 @@ def baton():
         None,
         str(tiny_model("llama")),
         {
+            "mode": "colocated",
             "server": {"http_port": 0, "grpc_port": 0},
             "engine": {
                 "model": {"max_model_len": 256},
