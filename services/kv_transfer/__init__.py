@@ -4,5 +4,6 @@ types.py             what travels: KVTransferParams (prefill -> gateway -> decod
 config.py            KVTransferConfig: transport, timeouts, lease, verify mode, fault injection
 connector.py         the worker-side connector interface (one per TP rank)
 torch_connector.py   torch.distributed transport: gloo on CPU, NCCL on CUDA
-nixl_connector.py    RDMA through NIXL, when that library is installed
+nixl_connector.py    NVIDIA NIXL (UCX): the decode side reads leased blocks with one-sided READs
+nixl_layout.py       its READ descriptors, checksum and message encoding
 """

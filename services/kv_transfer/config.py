@@ -16,7 +16,11 @@ class FaultInjection(BaseModel):
 
     drop: bool = Field(False, description="Accept the request but never send (the receiver times out)")
     delay_s: float = Field(0.0, ge=0, description="Sleep this long before sending")
-    corrupt: bool = Field(False, description="Flip bits after the checksum was taken (caught in verify mode)")
+    corrupt: bool = Field(
+        False,
+        description="Spoil the transfer for verify mode to catch (torch: flip bits after the checksum was taken; "
+        "nixl: announce a wrong checksum, as one-sided reads leave the data alone)",
+    )
 
 
 class KVTransferConfig(BaseModel):
@@ -26,7 +30,9 @@ class KVTransferConfig(BaseModel):
         "none", description="producer: prefill side (leases blocks, sends); consumer: decode side (receives)"
     )
     transport: Literal["torch", "nixl"] = Field(
-        "torch", description="torch: torch.distributed (gloo on CPU, NCCL on CUDA); nixl: RDMA when installed"
+        "torch",
+        description="torch: torch.distributed (gloo on CPU, NCCL on CUDA); nixl: one-sided READs over NVIDIA "
+        "NIXL/UCX (RDMA, NVLink, shared memory or TCP; DRAM or VRAM), needs baton[nixl]",
     )
     host: str = Field(
         "auto",

@@ -15,14 +15,27 @@ connector's own threads, beside the forward pass:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import torch
 
+from .config import FaultInjection, KVTransferConfig
 from .types import KVRecvTask, KVTransferStatus
 
 
 class KVConnector(ABC):
+    """A transport. The bookkeeping every transport shares lives here: what ended since the
+    last `poll` and the receives in flight (both under `_lock`, which transports also use for
+    their own state), and the test faults."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.faults = FaultInjection()
+        self._lock = threading.Condition()
+        self._status = KVTransferStatus()  # what ended since the last poll
+        self._pending: set[str] = set()  # request ids of receives in flight
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """The rank's per-layer caches, each [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -30,7 +43,7 @@ class KVConnector(ABC):
     @property
     @abstractmethod
     def endpoint(self) -> str:
-        """Where peers reach this rank ("host:port")."""
+        """Where peers reach this rank ("host:port"; NIXL: "host:port/agent-name")."""
 
     @abstractmethod
     def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
@@ -44,16 +57,22 @@ class KVConnector(ABC):
     def start_recv(self, task: KVRecvTask) -> None:
         """Decode side: fetch a transfer's blocks in the background."""
 
-    @abstractmethod
     def poll(self) -> KVTransferStatus:
         """Transfers that ended since the last call."""
+        with self._lock:
+            status, self._status = self._status, KVTransferStatus()
+        return status
 
-    @abstractmethod
     def has_pending(self) -> bool:
         """Whether receives are in flight (the engine keeps polling while they are)."""
+        with self._lock:
+            return bool(self._pending)
 
-    def set_faults(self, faults) -> None:  # noqa: B027 - only the test hook of some transports
-        raise NotImplementedError(f"{type(self).__name__} has no fault injection")
+    def set_faults(self, faults: FaultInjection) -> None:
+        """Test hook: how the sending side misbehaves from now on (config must allow it)."""
+        if not self.config.allow_fault_injection:
+            raise PermissionError("fault injection is disabled (kv_transfer.allow_fault_injection)")
+        self.faults = faults
 
     @abstractmethod
     def close(self) -> None: ...

@@ -1,27 +1,518 @@
-"""RDMA transport through NVIDIA NIXL — not available in this build.
+"""KV handover over NVIDIA NIXL: the decode rank pulls the prefill rank's blocks with
+one-sided READs; the prefill side never pushes, it only answers.
 
-`transport: nixl` is accepted by the config so deployments can name it, but this build has
-no NIXL data path: NIXL and an RDMA NIC were not available to build and test one against.
-Choosing it fails at start-up with a message saying so (and what to use instead), rather
-than silently falling back. The connector interface (connector.py) is what an
-implementation fills in: register the KV caches as NIXL memory, advertise the agent's
-metadata as the endpoint, and read leased blocks with one-sided RDMA reads.
+Each rank owns one NIXL agent (`baton-<uid>`, UCX backend) with every layer's cache
+registered as NIXL memory (DRAM on CPUs, VRAM on GPUs). UCX picks the path the two ranks
+share: RDMA (InfiniBand/RoCE), NVLink/CUDA IPC, shared memory, or TCP. The endpoint is
+"host:port/agent-name", where the port is the agent's metadata listener. Control messages
+are NIXL notifications (small JSON documents between agents):
+
+    decode                                        prefill
+    fetch the prefill agent's metadata, send
+    its own (so the prefill can answer) <----->   listener thread
+    claim {claim, transfer_id, blocks, verify} -> pin the leased blocks (a claim for a lease not
+                                                  announced yet waits; one that ended is refused)
+               <- grant {cache layout, crc32}     or: refused {reason} (the lease expired)
+    READ the blocks into its own: one descriptor
+    per layer, K/V half and run of blocks
+    consecutive on both sides
+    check the crc32 (verify mode)
+    done {claim, ok} ------------------------->   unpin: finished_sending (ok) or failed_sending
+
+Every wait has a deadline. The decode side gives up `timeout_s` after `start_recv`: it
+cancels its READ, sends done {ok: false} and reports failed_recving (its engine recomputes).
+The prefill side unpins a claim that got no "done" within `timeout_s` (a decode that died)
+and reports failed_sending; `remove_leases` waits for pins, so freed blocks are never read
+after reuse.
+
+All agent calls run on one thread per connector, a loop over a work queue that polls
+notifications and READ states (NIXL has no blocking wait): every 50 us while a READ runs,
+every half millisecond while anything else is live, else every 10 ms. That polling also
+drives UCX: the agent runs no progress thread of its own (which spins a core per agent);
+READs over RDMA, NVLink or shared memory need no help from the prefill side, READs over
+TCP advance as its loop polls. The first transfer from a new
+prefill rank also waits for the metadata exchange (NIXL's listeners poll every 100 ms).
+Fault injection acts on the grant: drop never answers, delay_s answers late,
+corrupt announces a wrong checksum. A one-sided READ cannot damage the data, so corrupt
+exercises the checksum comparison, not damaged bytes.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import itertools
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from .config import KVTransferConfig
+from .connector import KVConnector
+from .nixl_layout import CacheLayout, checksum, decode_blocks, encode_blocks
+from .torch_connector import TransferError, advertised_host
+from .types import KVRecvTask
+from .wire_layout import runs
+
+logger = logging.getLogger(__name__)
+
+_READING_POLL_S = 0.00005  # while this rank's READs run: a short burst
+_ACTIVE_POLL_S = 0.0005  # while receives, claims or leases are live (a prefill rank: usually)
+_IDLE_POLL_S = 0.01
+_NUM_ENDED_REMEMBERED = 4096  # ended leases kept to refuse late claims at once
 
 
-class NixlConnector:
+def load_nixl() -> tuple[type, type]:
+    """(nixl_agent, nixl_agent_config): from the `nixl` package if present, else `nixl-cu12`."""
+    for module in ("nixl._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(module)
+            return api.nixl_agent, api.nixl_agent_config
+        except (ImportError, OSError):  # OSError: the package is there but its libraries do not load
+            continue
+    raise RuntimeError(
+        "kv_transfer.transport 'nixl' needs NVIDIA NIXL, which is not installed: "
+        "pip install nixl-cu12 (or baton[nixl]); or use transport 'torch' (NCCL on GPUs, gloo on CPUs)"
+    )
+
+
+@dataclass(slots=True)
+class _Recv:
+    """Decode side: one receive, connecting -> claimed -> reading (or refused, closed: no "done" owed)."""
+
+    task: KVRecvTask
+    peer: str  # the prefill rank's agent
+    claim_id: int
+    started: float
+    deadline: float
+    stage: str = "connecting"
+    handle: Any = None  # the READ, while it runs
+    checksum: int | None = None  # announced by the grant (verify mode)
+
+
+@dataclass(slots=True)
+class _Claim:
+    """Prefill side: a decode rank's claim on a transfer's blocks."""
+
+    peer: str  # the decode rank's agent
+    claim_id: int
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    verify: bool
+    deadline: float  # waiting for the lease, then (pinned) for "done"
+    is_pinned: bool = False
+    grant_at: float | None = None  # when to answer; None once answered (or never, when dropped)
+
+
+class NixlConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
-        installed = importlib.util.find_spec("nixl") is not None
-        raise RuntimeError(
-            "kv_transfer.transport 'nixl' is not available in this build of Baton"
-            + ("" if installed else " (and the nixl package is not installed)")
-            + "; use transport 'torch' (NCCL on GPUs, gloo on CPUs)"
+        nixl_agent, nixl_agent_config = load_nixl()
+        super().__init__(config)
+        self.rank = tp_rank
+        self.device = device
+        self.name = f"baton-{uuid.uuid4().hex[:12]}"
+        for attempt in range(3):  # the port may be taken between the probe and the agent's bind
+            port = _free_port()
+            agent_config = nixl_agent_config(
+                enable_prog_thread=False, enable_listen_thread=True, listen_port=port, backends=["UCX"]
+            )
+            try:
+                self._agent = nixl_agent(self.name, agent_config)
+                break
+            except RuntimeError as error:
+                if "bind" not in str(error).lower() or attempt == 2:
+                    raise
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL's UCX backend plugin is missing from this installation")
+        self._endpoint = f"{advertised_host(config.host)}:{port}/{self.name}"
+        self.kv_caches: list[torch.Tensor] = []
+        self._layout: CacheLayout | None = None
+        self._registered = None
+        # Shared with the engine thread, under the lock (as are _status and _pending).
+        self._leases: dict[str, tuple[int, ...]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._num_pins: dict[str, int] = {}  # transfer id -> claims holding its blocks
+        # The loop thread's own.
+        self._recvs: dict[int, _Recv] = {}
+        self._claims: dict[tuple[str, int], _Claim] = {}
+        self._peers: set[str] = set()  # agents whose metadata was asked for
+        self._outbox: list[tuple[str, bytes, float]] = []
+        self._claim_ids = itertools.count(1)
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-nixl-{tp_rank}", daemon=True)
+        self._thread.start()
+
+    # -- KVConnector ------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self._call(lambda: self._register(kv_caches))
+
+    def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            self._leases.update(leases)
+        self._work.put(None)  # wake the loop: claims may be waiting for these
+
+    def remove_leases(self, transfer_ids: list[str]) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._lock:
+            for transfer_id in transfer_ids:
+                self._leases.pop(transfer_id, None)
+                self._ended[transfer_id] = None
+            while len(self._ended) > _NUM_ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
+            # Blocks may be reused right after this returns: wait out decodes still reading them.
+            while any(self._num_pins.get(t) for t in transfer_ids) and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(timeout=left)
+
+    def start_recv(self, task: KVRecvTask) -> None:
+        with self._lock:
+            self._pending.add(task.request_id)
+        started = time.monotonic()
+        self._work.put(lambda: self._begin_recv(task, started))
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._work.put(None)
+        self._thread.join(timeout=self.config.timeout_s)
+        if self._thread.is_alive():
+            logger.warning("NIXL connector %s did not stop within %gs", self.name, self.config.timeout_s)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._do_work(self._poll_interval())
+                try:
+                    self._step(time.monotonic())
+                except Exception:  # keep serving: one bad message or call must not stop every transfer
+                    logger.exception("NIXL connector %s: step failed", self.name)
+        finally:
+            self._teardown()
+
+    def _do_work(self, timeout: float) -> None:
+        try:
+            item = self._work.get(timeout=timeout)
+            while True:
+                if item is not None:
+                    try:
+                        item()
+                    except Exception:
+                        logger.exception("NIXL connector %s: work item failed", self.name)
+                item = self._work.get_nowait()
+        except queue.Empty:
+            return
+
+    def _poll_interval(self) -> float:
+        if any(recv.stage == "reading" for recv in self._recvs.values()):
+            return _READING_POLL_S
+        with self._lock:
+            has_leases = bool(self._leases)
+        return _ACTIVE_POLL_S if has_leases or self._recvs or self._claims or self._outbox else _IDLE_POLL_S
+
+    def _step(self, now: float) -> None:
+        for peer, messages in self._agent.get_new_notifs().items():
+            for raw in messages:
+                self._on_message(peer, raw)
+        self._advance_recvs(now)
+        self._advance_claims(now)
+        self._flush_outbox(now)
+
+    def _on_message(self, peer: str, raw: bytes) -> None:
+        try:
+            message = json.loads(raw)
+            op = message["op"]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("NIXL connector %s: unreadable message from %s: %r", self.name, peer, raw[:200])
+            return
+        if op == "claim":
+            self._on_claim(peer, message)
+        elif op == "grant":
+            self._on_grant(peer, message)
+        elif op == "refused":
+            self._on_refused(peer, message)
+        elif op == "done":
+            self._on_done(peer, message)
+        else:
+            logger.warning("NIXL connector %s: unknown message %r from %s", self.name, op, peer)
+
+    def _send(self, peer: str, message: dict, now: float) -> None:
+        """Queues a notification; it leaves once the peer's metadata is loaded here."""
+        self._outbox.append((peer, json.dumps(message).encode(), now + self.config.timeout_s))
+
+    def _flush_outbox(self, now: float) -> None:
+        waiting = []
+        for peer, payload, deadline in self._outbox:
+            if self._agent.check_remote_metadata(peer):
+                try:
+                    self._agent.send_notif(peer, payload)
+                except Exception as error:
+                    logger.warning("NIXL connector %s: message to %s lost: %s", self.name, peer, error)
+            elif now <= deadline:
+                waiting.append((peer, payload, deadline))
+            else:
+                logger.warning("NIXL connector %s: %s never became reachable", self.name, peer)
+        self._outbox = waiting
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the loop thread and waits for it."""
+        done: Future[None] = Future()
+
+        def work() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as error:
+                done.set_exception(error)
+
+        self._work.put(work)
+        done.result(timeout=self.config.timeout_s)
+
+    def _register(self, kv_caches: list[torch.Tensor]) -> None:
+        layout = CacheLayout.of(kv_caches)
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+        self._registered = self._agent.register_memory(kv_caches)
+        self.kv_caches, self._layout = kv_caches, layout
+
+    def _teardown(self) -> None:
+        for recv in list(self._recvs.values()):
+            recv.stage = "closed"
+            self._fail(recv, TransferError("the connector closed"))
+        try:
+            if self._registered is not None:
+                self._agent.deregister_memory(self._registered)
+            for peer in self._peers:
+                if self._agent.check_remote_metadata(peer):
+                    self._agent.remove_remote_agent(peer)
+        except Exception as error:
+            logger.warning("NIXL connector %s: cleanup failed: %s", self.name, error)
+        self._agent = None  # the agent stops its threads as it is destroyed, here on the loop thread
+        with self._lock:
+            self._num_pins.clear()
+            self._lock.notify_all()
+
+    # -- decode side ------------------------------------------------------------------
+
+    def _begin_recv(self, task: KVRecvTask, started: float) -> None:
+        endpoint = task.params.source_endpoints[self.rank]
+        address, _, peer = endpoint.partition("/")
+        recv = _Recv(task, peer, next(self._claim_ids), started, started + self.config.timeout_s)
+        self._recvs[recv.claim_id] = recv
+        try:
+            if not peer or ":" not in address:
+                raise TransferError(f"{endpoint!r} is not a NIXL endpoint (host:port/agent)")
+            if self._layout is None:
+                raise TransferError("no KV cache registered")
+            if peer not in self._peers:  # ask for its metadata, and send ours so it can answer
+                host, port = address.rsplit(":", 1)
+                self._agent.fetch_remote_metadata(peer, host, int(port))
+                self._agent.send_local_metadata(host, int(port))
+                self._peers.add(peer)
+        except Exception as error:
+            self._fail(recv, error)
+
+    def _advance_recvs(self, now: float) -> None:
+        for recv in list(self._recvs.values()):
+            try:
+                if recv.stage == "connecting" and self._agent.check_remote_metadata(recv.peer):
+                    claim = {
+                        "op": "claim",
+                        "claim": recv.claim_id,
+                        "transfer_id": recv.task.params.transfer_id,
+                        "blocks": encode_blocks(recv.task.src_block_ids),
+                        "verify": self.config.verify,
+                    }
+                    self._send(recv.peer, claim, now)
+                    recv.stage = "claimed"
+                elif recv.stage == "reading":
+                    state = self._agent.check_xfer_state(recv.handle)
+                    if state == "DONE":
+                        self._finish(recv, now)
+                        continue
+                    if state == "ERR":
+                        raise TransferError("the READ failed")
+                if now > recv.deadline:
+                    raise TransferError(f"timed out after {self.config.timeout_s:g}s ({recv.stage})")
+            except Exception as error:
+                self._fail(recv, error)
+
+    def _on_grant(self, peer: str, message: dict) -> None:
+        recv = self._recvs.get(message["claim"])
+        if recv is None or recv.peer != peer or recv.stage != "claimed":  # given up: let it unpin
+            self._send(peer, {"op": "done", "claim": message["claim"], "ok": False}, time.monotonic())
+            return
+        try:
+            recv.checksum = message.get("checksum")
+            self._start_read(recv, CacheLayout.from_message(message["layout"]))
+        except Exception as error:
+            self._fail(recv, error)
+
+    def _start_read(self, recv: _Recv, remote: CacheLayout) -> None:
+        local = self._layout
+        if len(remote.bases) != len(local.bases) or remote.block_bytes != local.block_bytes:
+            raise TransferError("the prefill rank's KV cache is shaped differently")
+        src, dst = recv.task.src_block_ids, recv.task.dst_block_ids
+        segments = runs(src, dst)  # runs consecutive on both sides: one descriptor each
+        recv.stage = "reading"
+        if not segments:
+            self._finish(recv, time.monotonic())
+            return
+        agent = self._agent
+        local_descs = agent.get_xfer_descs(local.descriptors([(dst[i], n) for i, n in segments]), local.mem_type)
+        remote_descs = agent.get_xfer_descs(remote.descriptors([(src[i], n) for i, n in segments]), remote.mem_type)
+        recv.handle = agent.initialize_xfer("READ", local_descs, remote_descs, recv.peer)
+        state = agent.transfer(recv.handle)
+        if state == "ERR":
+            raise TransferError("posting the READ failed")
+        if state == "DONE":
+            self._finish(recv, time.monotonic())
+
+    def _finish(self, recv: _Recv, now: float) -> None:
+        self._release(recv)
+        dst = recv.task.dst_block_ids
+        if recv.checksum is not None:
+            crc = checksum(self.kv_caches, dst)
+            if crc != recv.checksum:
+                raise TransferError(f"checksum mismatch ({crc:#x} != {recv.checksum:#x})")
+        self._send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": True}, now)
+        del self._recvs[recv.claim_id]
+        with self._lock:
+            self._status.finished_recving.add(recv.task.request_id)
+            self._status.bytes_received += 2 * len(self.kv_caches) * len(dst) * self._layout.block_bytes
+            self._status.recv_seconds += time.monotonic() - recv.started
+            self._pending.discard(recv.task.request_id)
+
+    def _on_refused(self, peer: str, message: dict) -> None:
+        recv = self._recvs.get(message["claim"])
+        if recv is not None and recv.peer == peer and recv.stage == "claimed":
+            recv.stage = "refused"  # nothing pinned over there: no "done" owed
+            self._fail(recv, TransferError(message.get("reason", "refused")))
+
+    def _fail(self, recv: _Recv, error: Exception) -> None:
+        logger.warning("KV transfer %s from %s failed: %s", recv.task.request_id, recv.peer, error)
+        self._recvs.pop(recv.claim_id, None)
+        self._release(recv)  # before reporting: the engine may reuse the blocks at once
+        with self._lock:
+            self._status.failed_recving[recv.task.request_id] = f"{type(error).__name__}: {error}"
+            self._pending.discard(recv.task.request_id)
+        if recv.stage in ("claimed", "reading"):  # unpin the blocks over there now, not at its timeout
+            self._send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": False}, time.monotonic())
+        elif recv.stage == "connecting" and recv.peer in self._peers:
+            try:
+                if not self._agent.check_remote_metadata(recv.peer):
+                    self._peers.discard(recv.peer)  # never reached: the next receive asks again
+            except Exception as check_error:
+                logger.warning("NIXL connector %s: %s", self.name, check_error)
+
+    def _release(self, recv: _Recv) -> None:
+        """Frees the READ's handle; one still running is cancelled."""
+        handle, recv.handle = recv.handle, None
+        if handle is not None:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as error:  # NIXL keeps it and retries when the agent goes
+                logger.warning("KV transfer %s: cancelling the READ failed: %s", recv.task.request_id, error)
+
+    # -- prefill side -----------------------------------------------------------------
+
+    def _on_claim(self, peer: str, message: dict) -> None:
+        claim = _Claim(
+            peer,
+            message["claim"],
+            message["transfer_id"],
+            decode_blocks(message["blocks"]),
+            bool(message["verify"]),
+            time.monotonic() + self.config.timeout_s,
         )
+        self._claims[(peer, claim.claim_id)] = claim  # answered by _advance_claims, this same step
+
+    def _advance_claims(self, now: float) -> None:
+        for key, claim in list(self._claims.items()):
+            try:
+                self._advance_claim(key, claim, now)
+            except Exception as error:  # this claim only; the others carry on
+                logger.warning("KV transfer %s to %s failed: %s", claim.transfer_id, claim.peer, error)
+                self._refuse(key, claim, f"{type(error).__name__}: {error}", now)
+
+    def _advance_claim(self, key: tuple[str, int], claim: _Claim, now: float) -> None:
+        if not claim.is_pinned:
+            is_pinned = self._pin(claim)
+            if is_pinned is None and now <= claim.deadline:
+                return  # the lease is not announced yet
+            if not is_pinned:
+                self._refuse(key, claim, "the prefill side's lease expired", now)
+                return
+            faults = self.faults
+            claim.deadline = now + self.config.timeout_s
+            claim.grant_at = None if faults.drop else now + faults.delay_s
+        if claim.grant_at is not None and now >= claim.grant_at:
+            claim.grant_at = None
+            self._grant(claim, now)
+        if now > claim.deadline:  # no "done": the decode gave up or died
+            del self._claims[key]
+            self._unpin(claim, ok=False)
+
+    def _refuse(self, key: tuple[str, int], claim: _Claim, reason: str, now: float) -> None:
+        del self._claims[key]
+        if claim.is_pinned:
+            self._unpin(claim, ok=False)
+        self._send(claim.peer, {"op": "refused", "claim": claim.claim_id, "reason": reason}, now)
+
+    def _pin(self, claim: _Claim) -> bool | None:
+        """Pins the claimed blocks if the lease holds them; None: the lease is not known yet."""
+        with self._lock:
+            leased = self._leases.get(claim.transfer_id)
+            if leased is None:
+                return False if claim.transfer_id in self._ended else None
+            if not set(claim.block_ids) <= set(leased):
+                return False
+            self._num_pins[claim.transfer_id] = self._num_pins.get(claim.transfer_id, 0) + 1
+            claim.is_pinned = True
+            return True
+
+    def _grant(self, claim: _Claim, now: float) -> None:
+        crc = None
+        if claim.verify:
+            crc = checksum(self.kv_caches, claim.block_ids)
+            if self.faults.corrupt:
+                crc ^= 0xFFFFFFFF
+        grant = {"op": "grant", "claim": claim.claim_id, "layout": asdict(self._layout), "checksum": crc}
+        self._send(claim.peer, grant, now)
+
+    def _on_done(self, peer: str, message: dict) -> None:
+        claim = self._claims.pop((peer, message["claim"]), None)
+        if claim is not None and claim.is_pinned:
+            self._unpin(claim, ok=bool(message["ok"]))
+
+    def _unpin(self, claim: _Claim, ok: bool) -> None:
+        with self._lock:
+            left = self._num_pins.get(claim.transfer_id, 0) - 1
+            if left > 0:
+                self._num_pins[claim.transfer_id] = left
+            else:
+                self._num_pins.pop(claim.transfer_id, None)
+            (self._status.finished_sending if ok else self._status.failed_sending).add(claim.transfer_id)
+            self._lock.notify_all()
+
+
+def _free_port() -> int:
+    """A port free now, for the agent's metadata listener (NIXL does not report one it picked)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

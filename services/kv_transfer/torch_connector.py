@@ -10,8 +10,8 @@ rendezvous for data groups:
             PrefixStore of the prefill rank's store (prefill = rank 0, decode = rank 1), reused,
             and rebuilt under a new generation after a failure. Its name holds both ends and
             the generation; the transfers of one pair run one at a time (a message of one
-            landing in another's receive would abort the process inside gloo). Adding or removing a replica
-            never touches the other pairs' groups.
+            landing in another's receive would abort the process inside gloo). Adding or
+            removing a replica never touches the other pairs' groups.
 
 One transfer, pipelined layer by layer (the next layer is in flight while one is packed
 or unpacked):
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from . import wire_layout
-from .config import FaultInjection, KVTransferConfig
+from .config import KVTransferConfig
 from .connector import KVConnector
-from .types import KVRecvTask, KVTransferStatus
+from .types import KVRecvTask
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class TransferError(RuntimeError):
 
 class TorchDistributedConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
-        self.config = config
+        super().__init__(config)
         self.rank = tp_rank
         self.device = device
         self.uid = uuid.uuid4().hex[:12]
@@ -71,16 +71,12 @@ class TorchDistributedConnector(KVConnector):
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._endpoint = f"{host}:{self.store.port}"
         self.kv_caches: list[torch.Tensor] = []
-        self.faults = FaultInjection()
-        self._lock = threading.Condition()
         self._closed = threading.Event()
-        self._status = KVTransferStatus()
         # Sending side: leased blocks, and sends in flight per transfer.
         self._leases: dict[str, tuple[int, ...]] = {}
         self._sending: dict[str, int] = {}
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
         # Receiving side.
-        self._pending: set[str] = set()
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
         self._clients: dict[str, dist.TCPStore] = {}
         self._generations: dict[str, int] = {}
@@ -118,20 +114,6 @@ class TorchDistributedConnector(KVConnector):
         with self._lock:
             self._pending.add(task.request_id)
         self._recv_pool.submit(self._recv, task)
-
-    def poll(self) -> KVTransferStatus:
-        with self._lock:
-            status, self._status = self._status, KVTransferStatus()
-        return status
-
-    def has_pending(self) -> bool:
-        with self._lock:
-            return bool(self._pending)
-
-    def set_faults(self, faults: FaultInjection) -> None:
-        if not self.config.allow_fault_injection:
-            raise PermissionError("fault injection is disabled (kv_transfer.allow_fault_injection)")
-        self.faults = faults
 
     def close(self) -> None:
         self._closed.set()

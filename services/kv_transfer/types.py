@@ -12,7 +12,7 @@ class KVTransferParams:
 
     transfer_id: str  # unique per request (the request id)
     source_worker_id: str
-    source_endpoints: tuple[str, ...]  # "host:port" of each prefill TP rank's transfer server
+    source_endpoints: tuple[str, ...]  # each prefill TP rank's connector endpoint ("host:port[/agent]")
     block_ids: tuple[int, ...]  # prefill-side blocks holding the prompt's K/V, in order
     num_tokens: int  # tokens whose K/V they hold (the prompt)
     block_size: int

@@ -24,11 +24,13 @@ SEGMENTED, PACKED = 0, 1
 MAX_SEGMENTS = 8  # past this many runs, one gathered message per layer is cheaper
 
 
-def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(offset, length) of each maximal run of consecutive ids in `block_ids`."""
+def runs(block_ids: Sequence[int], *aligned: Sequence[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each maximal run of consecutive ids in `block_ids`, and in every
+    `aligned` list of the same length too (a run breaks where any of them jumps)."""
+    lists = (block_ids, *aligned)
     out: list[tuple[int, int]] = []
-    for i, block in enumerate(block_ids):
-        if out and block == block_ids[i - 1] + 1:
+    for i in range(len(block_ids)):
+        if out and all(ids[i] == ids[i - 1] + 1 for ids in lists):
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((i, 1))

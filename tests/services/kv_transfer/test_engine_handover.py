@@ -1,6 +1,7 @@
-"""The handover between two in-process engines (prefill producer, decode consumer) over the
-torch.distributed transport (gloo): same tokens as one engine, byte-identical blocks, and
-every failure path ending in a correct, recomputed answer with all blocks back."""
+"""The handover between two in-process engines (prefill producer, decode consumer), over
+each transport (torch.distributed with gloo; NIXL with UCX over DRAM, skipped when NIXL is
+not installed): same tokens as one engine, byte-identical blocks, and every failure path
+ending in a correct, recomputed answer with all blocks back."""
 
 from __future__ import annotations
 
@@ -12,16 +13,43 @@ from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore
 from baton.services.kv_transfer.config import FaultInjection
+from baton.services.kv_transfer.nixl_connector import load_nixl
 
 PROMPT = list(range(100, 171))  # 71 tokens: 4 full blocks of 16 and a partial one
 MAX_TOKENS = 12
 
 
-def engine(model_dir, role: str, **kv) -> EngineCore:
-    config = EngineConfig.from_kwargs(
-        model=str(model_dir), num_kv_blocks=64, block_size=16, role=role, allow_fault_injection=True, **kv
-    )
-    return EngineCore(config)
+@pytest.fixture(params=["torch", "nixl"])
+def transport(request) -> str:
+    if request.param == "nixl":
+        try:
+            load_nixl()
+        except RuntimeError as error:
+            pytest.skip(str(error))
+    return request.param
+
+
+@pytest.fixture
+def engine(llama_dir, transport):
+    """Makes engines over the transport under test; shuts them all down afterwards."""
+    engines: list[EngineCore] = []
+
+    def make(role: str, **kv) -> EngineCore:
+        config = EngineConfig.from_kwargs(
+            model=str(llama_dir),
+            num_kv_blocks=64,
+            block_size=16,
+            role=role,
+            transport=transport,
+            allow_fault_injection=True,
+            **kv,
+        )
+        engines.append(EngineCore(config))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        e.shutdown()
 
 
 def run(engines, until, timeout_s: float = 30.0) -> dict:
@@ -70,11 +98,8 @@ def expected(llama_dir):
 
 
 @pytest.fixture
-def pair(llama_dir):
-    p, d = engine(llama_dir, "producer"), engine(llama_dir, "consumer")
-    yield p, d
-    p.shutdown()
-    d.shutdown()
+def pair(engine):
+    return engine("producer"), engine("consumer")
 
 
 def test_handover_equals_one_engine_and_blocks_are_identical(pair, expected):
@@ -140,34 +165,30 @@ def test_seeded_sampling_continues_across_the_handover(pair, llama_dir):
     settle(p, d)
 
 
-def test_one_decode_engine_receives_from_two_prefill_engines_at_once(llama_dir, expected):
-    """Each prefill rank is a pair of its own: concurrent receives never cross groups."""
-    d = engine(llama_dir, "consumer", timeout_s=5.0)
-    producers = [engine(llama_dir, "producer", timeout_s=5.0) for _ in range(2)]
-    try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        for round_ in range(2):  # the second round reuses both groups
-            ids = [f"p{i}-{round_}" for i in range(len(producers))]
-            firsts = [prefill(p, request_id) for p, request_id in zip(producers, ids)]
-            for request_id, first in zip(ids, firsts):
-                d.submit(
-                    d.prepare(
-                        request_id,
-                        PROMPT,
-                        params,
-                        output_prefix=first.token_ids,
-                        remote_kv=first.kv_transfer_params,
-                    )
+def test_one_decode_engine_receives_from_two_prefill_engines_at_once(engine, expected):
+    """Each prefill rank is a peer of its own: concurrent receives never cross."""
+    d = engine("consumer", timeout_s=5.0)
+    producers = [engine("producer", timeout_s=5.0) for _ in range(2)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for round_ in range(2):  # the second round reuses both connections
+        ids = [f"p{i}-{round_}" for i in range(len(producers))]
+        firsts = [prefill(p, request_id) for p, request_id in zip(producers, ids)]
+        for request_id, first in zip(ids, firsts):
+            d.submit(
+                d.prepare(
+                    request_id,
+                    PROMPT,
+                    params,
+                    output_prefix=first.token_ids,
+                    remote_kv=first.kv_transfer_params,
                 )
-            outs = run([d, *producers], lambda f, ids=ids: all(i in f for i in ids))
-            for request_id, first in zip(ids, firsts):
-                assert first.token_ids + outs[request_id].token_ids == expected
-                assert outs[request_id].kv_path == "transferred"
-        settle(d, *producers)
-        assert d.stats().kv_recv_ok == 4
-    finally:
-        for e in (d, *producers):
-            e.shutdown()
+            )
+        outs = run([d, *producers], lambda f, ids=ids: all(i in f for i in ids))
+        for request_id, first in zip(ids, firsts):
+            assert first.token_ids + outs[request_id].token_ids == expected
+            assert outs[request_id].kv_path == "transferred"
+    settle(d, *producers)
+    assert d.stats().kv_recv_ok == 4
 
 
 @pytest.mark.parametrize(
@@ -179,30 +200,23 @@ def test_one_decode_engine_receives_from_two_prefill_engines_at_once(llama_dir, 
     ],
     ids=["dropped", "delayed-past-timeout", "corrupted-in-verify-mode"],
 )
-def test_failed_transfers_are_recomputed(llama_dir, expected, faults, kv):
-    p, d = engine(llama_dir, "producer", **kv), engine(llama_dir, "consumer", **kv)
-    try:
-        p.executor.set_kv_faults(faults)
-        first = prefill(p, "f")
-        out = decode(d, p, "f", first)
-        assert first.token_ids + out.token_ids == expected
-        assert out.kv_path == "recomputed"
-        assert d.stats().kv_recv_failed == 1
-        settle(p, d)
-    finally:
-        p.shutdown()
-        d.shutdown()
+def test_failed_transfers_are_recomputed(engine, expected, faults, kv):
+    p, d = engine("producer", **kv), engine("consumer", **kv)
+    p.executor.set_kv_faults(faults)
+    first = prefill(p, "f")
+    out = decode(d, p, "f", first)
+    assert first.token_ids + out.token_ids == expected
+    assert out.kv_path == "recomputed"
+    assert d.stats().kv_recv_failed == 1
+    settle(p, d)
 
 
-def test_unclaimed_lease_expires(llama_dir):
-    p = engine(llama_dir, "producer", lease_s=0.3)
-    try:
-        prefill(p, "nobody-comes")
-        assert p.stats().num_kv_leases == 1
-        settle(p)
-        assert p.stats().kv_leases_expired == 1
-    finally:
-        p.shutdown()
+def test_unclaimed_lease_expires(engine):
+    p = engine("producer", lease_s=0.3)
+    prefill(p, "nobody-comes")
+    assert p.stats().num_kv_leases == 1
+    settle(p)
+    assert p.stats().kv_leases_expired == 1
 
 
 def test_abort_while_receiving_frees_blocks_after_the_receive(pair):
