@@ -26,11 +26,11 @@ and reports failed_sending; `remove_leases` waits for pins, so freed blocks are 
 after reuse.
 
 All agent calls run on one thread per connector, a loop over a work queue that polls
-notifications and READ states (NIXL has no blocking wait): every 50 us while a READ runs,
-every half millisecond while anything else is live, else every 10 ms. That polling also
-drives UCX: the agent runs no progress thread of its own (which spins a core per agent);
-READs over RDMA, NVLink or shared memory need no help from the prefill side, READs over
-TCP advance as its loop polls. The first transfer from a new
+notifications and READ states (NIXL has no blocking wait): every 50 us while this rank
+awaits a grant or a READ, every half millisecond while anything else is live, else every
+10 ms. That polling also drives UCX: the agent runs no progress thread of its own (which
+spins a core per agent); READs over RDMA, NVLink or shared memory need no help from the
+prefill side, READs over TCP advance as its loop polls. The first transfer from a new
 prefill rank also waits for the metadata exchange (NIXL's listeners poll every 100 ms).
 Fault injection acts on the grant: drop never answers, delay_s answers late,
 corrupt announces a wrong checksum. A one-sided READ cannot damage the data, so corrupt
@@ -65,7 +65,7 @@ from .wire_layout import runs
 
 logger = logging.getLogger(__name__)
 
-_READING_POLL_S = 0.00005  # while this rank's READs run: a short burst
+_RECEIVING_POLL_S = 0.00005  # while this rank awaits a grant or a READ: a short burst
 _ACTIVE_POLL_S = 0.0005  # while receives, claims or leases are live (a prefill rank: usually)
 _IDLE_POLL_S = 0.01
 _NUM_ENDED_REMEMBERED = 4096  # ended leases kept to refuse late claims at once
@@ -220,8 +220,8 @@ class NixlConnector(KVConnector):
             return
 
     def _poll_interval(self) -> float:
-        if any(recv.stage == "reading" for recv in self._recvs.values()):
-            return _READING_POLL_S
+        if any(recv.stage in ("claimed", "reading") for recv in self._recvs.values()):
+            return _RECEIVING_POLL_S
         with self._lock:
             has_leases = bool(self._leases)
         return _ACTIVE_POLL_S if has_leases or self._recvs or self._claims or self._outbox else _IDLE_POLL_S
