@@ -45,10 +45,17 @@ def check_devices(**tensors: torch.Tensor) -> None:
         raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
 
 
+def check_power_of_two(name: str, value: int, low: int = 1, high: int | None = None, why: str = "") -> None:
+    """Tile and vector sizes: Triton's tl.arange spans a power of two, tl.dot at least 16."""
+    if value >= low and (high is None or value <= high) and value & (value - 1) == 0:
+        return
+    bounds = f" in [{low}, {high}]" if high is not None else (f" >= {low}" if low > 1 else "")
+    raise ValueError(f"{name} must be a power of two{bounds}{why}, got {value}")
+
+
 def check_head_dim(head_dim: int) -> None:
     """tl.dot needs at least 16 along each dim; tiles are powers of two."""
-    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    check_power_of_two("head_dim", head_dim, 16, 256)
 
 
 def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
@@ -63,9 +70,7 @@ def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, dtype:
             f"{key_cache.stride()} and {tuple(value_cache.shape)}/{value_cache.stride()}"
         )
     check_last_dim_contiguous("key_cache", key_cache)
-    block_size = key_cache.shape[1]
-    if not (1 <= block_size <= 256 and block_size & (block_size - 1) == 0):
-        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+    check_power_of_two("block_size", key_cache.shape[1], 1, 256)
 
 
 def check_paged_attention(

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import LOG2_E, dot_precision, online_softmax_update, paged_row_offsets
-from .checks import check_paged_attention
+from .checks import check_paged_attention, check_power_of_two
 from .interpreter import cast_to, dot_operand, is_interpreter
 
 # A split should stream at least this many tokens, or its partial write and the reduce
@@ -61,8 +61,7 @@ class DecodeTiles:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {self.block_n}")
+        check_power_of_two("block_n", self.block_n, 16, why=" (tl.dot)")
 
     @staticmethod
     def default(head_dim: int) -> DecodeTiles:

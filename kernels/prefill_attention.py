@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import LOG2_E, dot_precision, online_softmax_update, paged_row_offsets
-from .checks import check_devices, check_int, check_paged_attention
+from .checks import check_devices, check_int, check_paged_attention, check_power_of_two
 from .interpreter import cast_to, dot_operand, is_interpreter
 
 
@@ -41,9 +41,7 @@ class PrefillTiles:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+            check_power_of_two(name, getattr(self, name), 16, why=" (tl.dot)")
 
     @staticmethod
     def default(head_dim: int) -> PrefillTiles:

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_devices, check_float, check_int, check_last_dim_contiguous, check_paged_cache
+from .checks import (
+    check_devices,
+    check_float,
+    check_int,
+    check_last_dim_contiguous,
+    check_paged_cache,
+    check_power_of_two,
+)
 
 
 @triton.jit
@@ -68,8 +75,7 @@ def reshape_and_cache(
         raise ValueError(f"key_cache heads/head_dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    check_power_of_two("head_dim", head_dim)
     check_last_dim_contiguous("key", key)
     check_last_dim_contiguous("value", value)
     if num_tokens == 0:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_devices, check_float, check_int, check_last_dim_contiguous
+from .checks import check_devices, check_float, check_int, check_last_dim_contiguous, check_power_of_two
 from .interpreter import cast_to, is_interpreter
 
 
@@ -97,8 +97,7 @@ def rotary_embedding(
         )
     if cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache rotates {cos_sin_cache.shape[1]} dims, but head_dim is {head_dim}")
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    check_power_of_two("head_dim", head_dim, 2)
     check_last_dim_contiguous("query", query)
     check_last_dim_contiguous("key", key)
     if num_tokens == 0:
