@@ -7,21 +7,12 @@ import torch
 from baton.kernels import paged_decode_attention as decode_module
 from baton.kernels.paged_decode_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits, paged_decode_attention
 from baton.kernels.reference import paged_decode_attention_ref
-
-DTYPES = [torch.float32, torch.bfloat16]
-DTYPE_IDS = ["fp32", "bf16"]
-# Beyond the main sweep: the tiny test models' head_dim, MQA, head_dim 256, and block sizes
-# from 1 to 256 (from 64 up, a key tile no longer spans blocks).
-OTHER_SHAPES = [
-    (16, 2, 2, 16),
-    (32, 8, 1, 8),
-    (256, 2, 2, 16),
-    (64, 4, 2, 1),
-    (64, 4, 2, 64),
-    (64, 4, 2, 128),
-    (128, 16, 1, 256),
-]
-OTHER_SHAPE_IDS = [f"d{d}-gqa{g}-kv{h}-block{b}" for d, g, h, b in OTHER_SHAPES]
+from testlib.kernel_sweep import (
+    ATTENTION_DTYPE_IDS,
+    ATTENTION_DTYPES,
+    OTHER_ATTENTION_SHAPE_IDS,
+    OTHER_ATTENTION_SHAPES,
+)
 
 
 def ragged_lens(block_size: int) -> list[int]:
@@ -39,7 +30,7 @@ def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, grou
     check(out, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
@@ -49,7 +40,7 @@ def test_matches_reference(paged_context, heads_view, check, head_dim, group, bl
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("num_splits", [2, 3, 8], ids=lambda s: f"splits{s}")
 def test_split_k_matches_reference(paged_context, heads_view, check, num_splits, dtype):
     # Longer contexts, and a short one that leaves most splits empty.
@@ -57,8 +48,10 @@ def test_split_k_matches_reference(paged_context, heads_view, check, num_splits,
     run_and_check(paged_context, heads_view, check, seq_lens, 2, 4, 64, 16, dtype, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim, group, num_kv_heads, block_size", OTHER_SHAPES, ids=OTHER_SHAPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize(
+    "head_dim, group, num_kv_heads, block_size", OTHER_ATTENTION_SHAPES, ids=OTHER_ATTENTION_SHAPE_IDS
+)
 def test_other_shapes(paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype):
     seq_lens = [1, 5, 70, 300]
     run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)

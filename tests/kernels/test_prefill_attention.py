@@ -10,21 +10,13 @@ import pytest
 import torch
 from baton.kernels.prefill_attention import PrefillTiles, prefill_attention
 from baton.kernels.reference import prefill_attention_ref
+from testlib.kernel_sweep import (
+    ATTENTION_DTYPE_IDS,
+    ATTENTION_DTYPES,
+    OTHER_ATTENTION_SHAPE_IDS,
+    OTHER_ATTENTION_SHAPES,
+)
 
-DTYPES = [torch.float32, torch.bfloat16]
-DTYPE_IDS = ["fp32", "bf16"]
-# Beyond the main sweep: the tiny test models' head_dim, MQA, head_dim 256, and block sizes
-# from 1 to 256 (from 32 up, the 32-key tiles used here no longer span blocks).
-OTHER_SHAPES = [
-    (16, 2, 2, 16),
-    (32, 8, 1, 8),
-    (256, 2, 2, 16),
-    (64, 4, 2, 1),
-    (64, 4, 2, 64),
-    (64, 4, 2, 128),
-    (128, 16, 1, 256),
-]
-OTHER_SHAPE_IDS = [f"d{d}-gqa{g}-kv{h}-block{b}" for d, g, h, b in OTHER_SHAPES]
 # Full prefills of 1 and 17 tokens, a chunk after 40 cached tokens, a 2-token prefix-cache
 # tail, a request with no queries this step, and a chunk spanning two 32-query tiles.
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
@@ -57,7 +49,7 @@ def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, grou
     check(out, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
@@ -69,7 +61,7 @@ def test_matches_reference(paged_context, heads_view, check, head_dim, group, bl
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 def test_default_tiles(paged_context, heads_view, check, head_dim, dtype):
     """The tiles a GPU runs with, over a chunk longer than one query tile."""
@@ -77,8 +69,10 @@ def test_default_tiles(paged_context, heads_view, check, head_dim, dtype):
     run_and_check(paged_context, heads_view, check, requests, 2, 4, head_dim, 16, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim, group, num_kv_heads, block_size", OTHER_SHAPES, ids=OTHER_SHAPE_IDS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize(
+    "head_dim, group, num_kv_heads, block_size", OTHER_ATTENTION_SHAPES, ids=OTHER_ATTENTION_SHAPE_IDS
+)
 def test_other_shapes(paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype):
     requests = [(0, 1), (0, 20), (50, 14)]
     run_and_check(

@@ -6,9 +6,7 @@ import pytest
 import torch
 from baton.kernels.reference import reshape_and_cache_ref
 from baton.kernels.reshape_and_cache import reshape_and_cache
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
+from testlib.kernel_sweep import ALL_DTYPE_IDS, ALL_DTYPES
 
 
 def random_slots(num_tokens: int, num_slots: int, num_padding: int, seed: int = 0) -> torch.Tensor:
@@ -19,7 +17,7 @@ def random_slots(num_tokens: int, num_slots: int, num_padding: int, seed: int = 
     return slots
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [1, 16, 32, 128], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8], ids=lambda h: f"kv{h}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")

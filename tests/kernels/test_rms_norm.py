@@ -6,9 +6,8 @@ import pytest
 import torch
 from baton.kernels.reference import rms_norm_ref
 from baton.kernels.rms_norm import rms_norm
+from testlib.kernel_sweep import ALL_DTYPE_IDS, ALL_DTYPES
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 EPS = 1e-6
 
 
@@ -20,7 +19,7 @@ def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.cpu()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("has_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("size", [64, 96, 128, 1000, 4096], ids=lambda n: f"n{n}")
 def test_matches_reference(check, device, size, has_residual, dtype):
@@ -37,7 +36,7 @@ def test_matches_reference(check, device, size, has_residual, dtype):
         assert new_residual is None
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 def test_per_head_norm_on_strided_view(heads_view, check, device, head_dim, dtype):
     """Qwen3's q/k norm: [T, H, D] views into the merged qkv, normed over D."""

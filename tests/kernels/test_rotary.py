@@ -7,9 +7,8 @@ import torch
 from baton.kernels.reference import rotary_embedding_ref
 from baton.kernels.rotary import rotary_embedding
 from baton.services.model.rotary import rope_inv_freq
+from testlib.kernel_sweep import ALL_DTYPE_IDS, ALL_DTYPES
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 MAX_POSITION = 4096
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -37,7 +36,7 @@ def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
     return qkv, q, k
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256], ids=lambda d: f"d{d}")
 def test_matches_reference(check, device, head_dim, group, dtype):
