@@ -42,12 +42,24 @@ def hash_request_tokens(
     extra_keys: ExtraKeys = (),
     start: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids`; `start` holds hashes already computed."""
+    """Hashes of every full block of `token_ids`; `start` holds hashes already computed.
+
+    Equal to chaining `hash_block_tokens` block by block; the tokens are packed once, which
+    halves the cost (a router hashes every prompt it places)."""
     hashes = list(start)
-    parent = hashes[-1] if hashes else None
-    for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[begin : begin + block_size], extra_keys if begin == 0 else ())
+    begin, end = len(hashes) * block_size, len(token_ids) // block_size * block_size
+    if begin >= end:
+        return hashes
+    packed = struct.pack(f"<{end - begin}I", *token_ids[begin:end])
+    length = struct.pack("<I", block_size)
+    extra = b"".join(_encode_key(key) for key in extra_keys) if begin == 0 else b""
+    parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+    stride = 4 * block_size
+    sha256 = hashlib.sha256
+    for offset in range(0, len(packed), stride):
+        parent = sha256(b"".join((parent, length, packed[offset : offset + stride], extra))).digest()[:BLOCK_HASH_BYTES]
         hashes.append(parent)
+        extra = b""
     return hashes
 
 

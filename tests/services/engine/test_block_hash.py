@@ -1,0 +1,47 @@
+"""The block-hash contract: the fast whole-prompt path equals chaining block by block."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+
+import pytest
+from baton.services.engine.block_hash import (
+    BLOCK_HASH_SEED,
+    hash_block_tokens,
+    hash_request_tokens,
+    request_extra_keys,
+)
+
+
+def chained(tokens, block_size, extra_keys=()):
+    hashes, parent = [], None
+    for begin in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, tokens[begin : begin + block_size], extra_keys if begin == 0 else ())
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_whole_prompt_hashes_equal_block_by_block_chaining(block_size, salt):
+    rng = random.Random(block_size)
+    extra = request_extra_keys(salt)
+    for length in [0, block_size - 1, block_size, 5 * block_size + 3, 64 * block_size]:
+        tokens = [rng.randrange(2**32) for _ in range(length)]
+        expected = chained(tokens, block_size, extra)
+        assert hash_request_tokens(tokens, block_size, extra) == expected
+        for resume in range(len(expected) + 1):  # continuing from hashes already computed
+            assert hash_request_tokens(tokens, block_size, extra, start=expected[:resume]) == expected
+
+
+def test_the_encoding_is_the_documented_one():
+    root = hashlib.sha256(BLOCK_HASH_SEED).digest()[:16]
+    first = hashlib.sha256(root + struct.pack("<3I", 2, 7, 9)).digest()[:16]
+    assert hash_request_tokens([7, 9, 11], 2) == [first]
+
+
+def test_tokens_outside_uint32_are_refused():
+    with pytest.raises(struct.error):
+        hash_request_tokens([1, -1], 2)
