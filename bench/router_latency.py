@@ -1,7 +1,8 @@
 """Router decision latency: 16 workers, 1M indexed blocks in Redis, prompts of 128 blocks.
 
-One router, one thread, decisions back to back against a local redis-server on loopback
-(started here, or --redis-url). The index holds `--blocks` hashes spread over the workers:
+One router, decisions back to back against a local redis-server on loopback (started here,
+or --redis-url): first from one thread, then from several threads sharing the router, as
+Serve's request router calls it (asyncio.to_thread), each thread with its own connection. The index holds `--blocks` hashes spread over the workers:
 each worker caches 48 of 512 shared 128-block documents to a random depth, plus filler.
 Every request is a document's first k blocks followed by new tokens, so workers hold
 prefixes of every length. A reporter thread heartbeats all workers every 250 ms, as real
@@ -13,9 +14,10 @@ workers do. Reported per decision:
   total     hash + decision: what `route_prefill` costs the gateway
 
 and the time Redis spends in the scripts (INFO commandstats), per query and per placement
-write: it bounds how many decisions one Redis can serve.
+write: it bounds how many decisions one Redis can serve. With N threads: decisions/s over
+the wall clock and the total's p50/p99 (which then include waiting for a busy Redis or CPU).
 
-  python bench/router_latency.py [--decisions 20000] [--workers 16] [--blocks 1000000]
+  python bench/router_latency.py [--decisions 20000] [--workers 16] [--blocks 1000000] [--threads 2,4]
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--threads", default="2,4", help="thread counts to run after the one-thread run")
     parser.add_argument(
         "--redis-url", default=None, help="use this server (its data is flushed) instead of starting one"
     )
@@ -126,6 +129,8 @@ def main() -> None:
             reporter = threading.Thread(target=report_loads, args=(index, infos, stop), daemon=True)
             reporter.start()
             run(config, docs, args.decisions, rng)
+            for num_threads in [int(n) for n in args.threads.split(",") if n]:
+                run_threads(config, docs, args.decisions, num_threads, rng)
             stop.set()
             reporter.join()
         finally:
@@ -172,6 +177,39 @@ def run(config: RouterConfig, docs: list[list[int]], num_decisions: int, rng: ra
     print(f"Redis time in scripts: {per_decision:.0f} us per decision (query and placement write), "
           f"{query_usec:.0f} us per query alone (INFO commandstats)")  # fmt: skip
     print(f"router metrics: {router.metrics()}")
+
+
+def run_threads(config: RouterConfig, docs: list[list[int]], num_decisions: int, num_threads: int, rng) -> None:
+    """The same decisions from `num_threads` threads sharing one router."""
+    router = PrefixRouter.from_config(config)
+    prompts = [make_prompt(docs, rng) for _ in range(num_decisions)]
+    shares = [prompts[t::num_threads] for t in range(num_threads)]
+    latencies: list[list[float]] = [[] for _ in range(num_threads)]
+    start = threading.Barrier(num_threads + 1)
+
+    def decide(t: int) -> None:
+        for i, tokens in enumerate(shares[t][:100]):  # warm-up: this thread's connection opens
+            router.route_prefill(f"warm-{t}-{i}", tokens)
+        start.wait()
+        for i, tokens in enumerate(shares[t]):
+            t0 = time.perf_counter()
+            router.route_prefill(f"req-{t}-{i}", tokens)
+            latencies[t].append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=decide, args=(t,)) for t in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    router.index.client.config_resetstat()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    router.index.flush()
+    per_decision = script_usec(router) / num_decisions
+    print(f"{num_threads} threads, one router: {num_decisions / elapsed:,.0f} decisions/s (hash included); "
+          f"Redis {per_decision:.0f} us per decision")  # fmt: skip
+    summarize("total", [s for thread in latencies for s in thread])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ router routes by load, the worker agent retries and then republishes a snapshot.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
@@ -58,10 +59,13 @@ class RedisPrefixIndex(PrefixIndex):
         self._apply_events = register(lua_scripts.APPLY_EVENTS)
         self._commit_snapshot = register(lua_scripts.COMMIT_SNAPSHOT)
         self._collect_garbage = register(lua_scripts.COLLECT_GARBAGE)
-        # The routing path: the query waits for its reply, the placement write does not.
-        self._channel = ScriptChannel(
-            client, [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT, lua_scripts.COMPLETE_PLACEMENT]
-        )
+        # The routing path: the query waits, the placement write does not. Each thread gets
+        # its own channel (connection), so decisions on several threads overlap their round
+        # trips, as they do when Serve's router runs them with asyncio.to_thread.
+        self._routing_scripts = [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT, lua_scripts.COMPLETE_PLACEMENT]
+        self._thread_channel = threading.local()
+        self._channels: list[ScriptChannel] = []
+        self._channels_lock = threading.Lock()
 
     # -- worker side ------------------------------------------------------------------
 
@@ -104,7 +108,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
         args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes)]
-        fields = self._channel.call(lua_scripts.QUERY, args).decode().split()  # 6 fields per worker
+        fields = self._channel().call(lua_scripts.QUERY, args).decode().split()  # 6 fields per worker
         views = []
         rows = iter(fields)
         for worker_id, report, num_cached, num_pending, pending_tokens, num_stored in zip(*[rows] * 6):
@@ -135,15 +139,18 @@ class RedisPrefixIndex(PrefixIndex):
             self._now_ms(),
             b"".join([block_hashes[p - 1] for p in checkpoints_beyond(len(block_hashes), num_cached_blocks)]),
         ]
-        self._channel.send(lua_scripts.RECORD_PLACEMENT, args)
+        self._channel().send(lua_scripts.RECORD_PLACEMENT, args)
 
     def complete_placement(self, worker_id: str, num_new_tokens: int) -> None:
         args = [self.keys.namespace, worker_id, num_new_tokens, self._now_ms()]
-        self._channel.send(lua_scripts.COMPLETE_PLACEMENT, args)
+        self._channel().send(lua_scripts.COMPLETE_PLACEMENT, args)
 
     def flush(self) -> None:
         """Waits until Redis has applied every placement write (they are sent without waiting)."""
-        self._channel.flush()
+        with self._channels_lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.flush()
 
     def worker_infos(self, worker_ids: Iterable[str]) -> dict[str, WorkerInfo]:
         worker_ids = list(worker_ids)
@@ -170,6 +177,14 @@ class RedisPrefixIndex(PrefixIndex):
             reported_at, _, load = text.partition(",")
             report = self._reports[text] = (int(reported_at), WorkerLoad.decode(load))
         return report
+
+    def _channel(self) -> ScriptChannel:
+        channel = getattr(self._thread_channel, "channel", None)
+        if channel is None:
+            channel = self._thread_channel.channel = ScriptChannel(self.client, self._routing_scripts)
+            with self._channels_lock:
+                self._channels.append(channel)
+        return channel
 
     def _now_ms(self) -> int:
         return -1 if self._clock is None else self._clock()
