@@ -5,6 +5,10 @@
     ns:workers          HASH  worker id -> WorkerInfo JSON (the registry)
     ns:names            HASH  worker name -> current epoch (a new epoch wipes the old one)
     ns:role:<role>      SET   ids of workers that take prefill / decode requests
+    ns:slots            HASH  worker id -> its slot: its bit in the block masks
+    ns:blocks           HASH  16-byte block hash -> mask of the slots whose workers hold it
+                               (bit slot % 8 of byte slot // 8; a block nobody holds has none)
+    ns:stored           HASH  worker id -> how many blocks its set holds
     ns:w:<id>:state     HASH  load: "<reported_at_ms>,<WorkerLoad>"; requests, tokens, until:
                                placements since that report (counted until `until` ms).
                                It expires after the heartbeat TTL: its presence is the heartbeat
@@ -35,6 +39,18 @@ class Keyspace:
     @property
     def names(self) -> str:
         return f"{self.namespace}:names"
+
+    @property
+    def slots(self) -> str:
+        return f"{self.namespace}:slots"
+
+    @property
+    def blocks(self) -> str:
+        return f"{self.namespace}:blocks"
+
+    @property
+    def stored(self) -> str:
+        return f"{self.namespace}:stored"
 
     def role(self, role: str) -> str:
         return f"{self.namespace}:role:{role}"

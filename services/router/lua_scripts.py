@@ -5,10 +5,15 @@ them carry the model's hash tag, so under Redis Cluster a script touches a singl
 A `now_ms` argument of -1 means "Redis's own clock" (`TIME`), so every router judges
 expiry by the same clock; tests and simulations pass their own time instead.
 
-A worker's blocks live in a set (what its events stored); routers' predictions live beside
-it in a small sorted set of checkpoint hashes scored by expiry (prefix_index.py says what a
-query credits). A query's cost is mostly hash look-ups in those sets, each a few cache
-misses: per worker one or two, plus about as many as the worker holds of the prompt.
+A worker's blocks live in a set (what its events stored) and, for queries, in one inverted
+index per model: block hash -> a bitmap of the workers holding it, a worker's bit being the
+slot it got when it registered. Events, snapshots and wipes keep the two in step. A query
+finds every worker's cached run from the bitmaps of the prompt's first blocks, fetched in
+batches of 1, 2, 4, ... (the first settles the workers without block 1), so its look-ups
+grow with the longest run, not with the number of workers. Routers' predictions live
+beside the sets in a small sorted set per worker, of checkpoint hashes scored by expiry
+(prefix_index.py says what a query credits). A look-up in a big set or hash costs about a
+microsecond of cache misses: the number of look-ups is what a query costs.
 
 Block hashes travel packed: one argument holding n * 16 bytes, split inside the script.
 Packing a prompt's 128 hashes into one argument, and answering a query with one string,
@@ -50,9 +55,67 @@ local function scored(score, packed)  -- ZADD arguments for packed hashes: score
   end
   return args
 end
+local band, bor, lshift = bit.band, bit.bor, bit.lshift
+local HALF = CHUNK / 2  -- field-value pairs per HSET
+-- A mask is a string of bytes, bit (slot % 8) of byte (slot // 8 + 1) for each slot; no
+-- trailing zero bytes, so a block nobody holds has no field at all.
+local function has_bit(mask, slot)
+  local b = string.byte(mask, math.floor(slot / 8) + 1)
+  return b ~= nil and band(b, lshift(1, slot % 8)) ~= 0
+end
+local function with_bit(mask, slot, on)
+  local i, flag = math.floor(slot / 8) + 1, lshift(1, slot % 8)
+  local b = string.byte(mask, i) or 0
+  if (band(b, flag) ~= 0) == on then return mask end
+  if #mask < i then mask = mask .. string.rep(string.char(0), i - #mask) end
+  mask = string.sub(mask, 1, i - 1) .. string.char(on and bor(b, flag) or b - flag) .. string.sub(mask, i + 1)
+  if on then return mask end
+  return (string.gsub(mask, '%z+$', ''))
+end
+-- Sets (on) or clears one worker's bit in the masks of these blocks.
+local function mark(hashes, slot, on)
+  local blocks = key('blocks')
+  for i = 1, #hashes, HALF do
+    local last = math.min(i + HALF - 1, #hashes)
+    local masks = redis.call('HMGET', blocks, unpack(hashes, i, last))
+    local set, drop = {{}}, {{}}
+    for j = i, last do
+      local old = masks[j - i + 1] or ''
+      local new = with_bit(old, slot, on)
+      if new ~= old then
+        if new == '' then
+          drop[#drop + 1] = hashes[j]
+        else
+          set[#set + 1] = hashes[j]
+          set[#set + 1] = new
+        end
+      end
+    end
+    if #set > 0 then redis.call('HSET', blocks, unpack(set)) end
+    if #drop > 0 then redis.call('HDEL', blocks, unpack(drop)) end
+  end
+end
+-- The worker's slot: its bit in every mask. The lowest free one, taken at registration.
+local function slot_of(id)
+  local slot = redis.call('HGET', key('slots'), id)
+  if slot then return tonumber(slot) end
+  local used = {{}}
+  for _, s in ipairs(redis.call('HVALS', key('slots'))) do used[tonumber(s)] = true end
+  slot = 0
+  while used[slot] do slot = slot + 1 end
+  redis.call('HSET', key('slots'), id, slot)
+  return slot
+end
+local function count_stored(id)
+  redis.call('HSET', key('stored'), id, redis.call('SCARD', wkey(id, 'cached')))
+end
 local function wipe(id)
+  local slot = redis.call('HGET', key('slots'), id)
+  if slot then mark(redis.call('SMEMBERS', wkey(id, 'cached')), tonumber(slot), false) end
   redis.call('UNLINK', wkey(id, 'state'), wkey(id, 'cached'), wkey(id, 'spec'), wkey(id, 'seq'), wkey(id, 'snapshot'))
   redis.call('HDEL', key('workers'), id)
+  redis.call('HDEL', key('slots'), id)
+  redis.call('HDEL', key('stored'), id)
   redis.call('SREM', key('role:prefill'), id)
   redis.call('SREM', key('role:decode'), id)
   local name, epoch = string.match(id, '^(.*)@(%x+)$')
@@ -75,6 +138,7 @@ if current ~= epoch or redis.call('HEXISTS', key('workers'), id) == 0 then
   redis.call('HSET', key('names'), name, epoch)
   redis.call('HSET', key('workers'), id, ARGV[5])
   for role in string.gmatch(ARGV[6], '%S+') do redis.call('SADD', key('role:' .. role), id) end
+  slot_of(id)
   registered = 1
 end
 -- The report includes the placements made so far: pending counts restart from zero.
@@ -102,24 +166,30 @@ local seq_key, cached, spec = wkey(id, 'seq'), wkey(id, 'cached'), wkey(id, 'spe
 local nxt = redis.call('GET', seq_key)
 if not nxt then return {'missing', -1} end
 nxt = tonumber(nxt)
+local slot = slot_of(id)
 local status = 'ok'
 for i = 3, #ARGV, 3 do
   local kind, seq = ARGV[i], tonumber(ARGV[i + 1])
   if seq > nxt then status = 'gap' break end
   if seq == nxt then
     if kind == 'S' then
-      chunked('SADD', cached, split(ARGV[i + 2]))
+      local hashes = split(ARGV[i + 2])
+      chunked('SADD', cached, hashes)
+      mark(hashes, slot, true)
     elseif kind == 'R' then
       local hashes = split(ARGV[i + 2])
       chunked('SREM', cached, hashes)
       chunked('ZREM', spec, hashes)
+      mark(hashes, slot, false)
     else
+      mark(redis.call('SMEMBERS', cached), slot, false)
       redis.call('UNLINK', cached, spec)
     end
     nxt = nxt + 1
   end
 end
 redis.call('SET', seq_key, nxt)
+count_stored(id)
 return {status, nxt}
 """
 )
@@ -134,9 +204,13 @@ local id = ARGV[2]
 local tmp, cached = wkey(id, 'snapshot'), wkey(id, 'cached')
 if redis.call('HEXISTS', key('workers'), id) == 0 then redis.call('UNLINK', tmp) return -1 end
 if redis.call('SCARD', tmp) ~= tonumber(ARGV[4]) then redis.call('UNLINK', tmp) return -2 end
+local slot = slot_of(id)
+mark(redis.call('SDIFF', cached, tmp), slot, false)
+mark(redis.call('SDIFF', tmp, cached), slot, true)
 redis.call('UNLINK', cached, wkey(id, 'spec'))
 if tonumber(ARGV[4]) > 0 then redis.call('RENAME', tmp, cached) end
 redis.call('SET', wkey(id, 'seq'), ARGV[3])
+count_stored(id)
 return 1
 """
 )
@@ -176,52 +250,42 @@ local function at(i)
   return h
 end
 
--- The cached run: how many of the prompt's blocks 1, 2, ... the worker's set holds one after
--- another. Block 1 is looked up alone (most workers lack it); then blocks 2, 4, 8, ... and the
--- last one in one command, and then up to 7 evenly spaced blocks per command, find where the
--- run most likely ends (a cache that holds a block usually holds its whole prefix). A last
--- command looks up every block below that end not looked up yet, so a gap still ends the run
--- exactly where it is. A run of n blocks costs about n + 7 log8 n lookups in log8 n commands.
-local function cached_run(k)
-  if num == 0 or redis.call('SISMEMBER', k, at(1)) == 0 then return 0 end
-  local looked = {true}
-  local lo, hi = 1, num + 1  -- block lo is held, block hi is not (or lies past the end)
-  local function narrow(positions)  -- looks the positions up (ascending, inside (lo, hi))
+-- The cached runs of every worker at once: the masks of blocks 1, 2, 3, ... in batches of
+-- 1, 2, 4, ... blocks (at most twice the longest run is fetched); a worker's run ends at the first block without its bit, and the
+-- fetching stops when every run has ended. runs[j] is the run of slots[j] (false: no slot).
+local function cached_runs(slots)
+  local runs, going, at_byte, flag = {}, {}, {}, {}
+  for j, slot in ipairs(slots) do
+    runs[j] = 0
+    if slot then
+      going[#going + 1] = j
+      at_byte[j], flag[j] = math.floor(slot / 8) + 1, lshift(1, slot % 8)
+    end
+  end
+  local byte, first, size = string.byte, 1, 1
+  while #going > 0 and first <= num do
+    local last = math.min(first + size - 1, num)
     local args = {}
-    for j, i in ipairs(positions) do
-      looked[i] = true
-      args[j] = at(i)
+    for i = first, last do args[#args + 1] = at(i) end
+    local masks = redis.call('HMGET', key('blocks'), unpack(args))
+    for i = first, last do
+      local mask, ended = masks[i - first + 1], false
+      for _, j in ipairs(going) do
+        local b = mask and byte(mask, at_byte[j])
+        if b and band(b, flag[j]) ~= 0 then runs[j] = i else ended = true end
+      end
+      if ended then  -- drop the runs that ended here
+        local still = {}
+        for _, j in ipairs(going) do
+          if runs[j] == i then still[#still + 1] = j end
+        end
+        going = still
+        if #going == 0 then break end
+      end
     end
-    for j, held in ipairs(redis.call('SMISMEMBER', k, unpack(args))) do
-      if held == 0 then hi = positions[j] return end
-      lo = positions[j]
-    end
+    first, size = last + 1, math.min(2 * size, CHUNK)
   end
-  local doubling, i = {}, 2
-  while i < num do
-    doubling[#doubling + 1] = i
-    i = 2 * i
-  end
-  if num > 1 then doubling[#doubling + 1] = num end
-  if #doubling > 0 then narrow(doubling) end
-  while hi - lo > 1 do
-    local positions, width = {}, hi - lo
-    local count = math.min(7, width - 1)
-    for j = 1, count do positions[j] = lo + math.floor(j * width / (count + 1)) end
-    narrow(positions)
-  end
-  local rest = {}
-  for j = 2, lo - 1 do
-    if not looked[j] then rest[#rest + 1] = j end
-  end
-  for a = 1, #rest, CHUNK do
-    local args = {}
-    for j = a, math.min(a + CHUNK - 1, #rest) do args[#args + 1] = at(rest[j]) end
-    for j, held in ipairs(redis.call('SMISMEMBER', k, unpack(args))) do
-      if held == 0 then return rest[a + j - 1] - 1 end
-    end
-  end
-  return lo
+  return runs
 end
 
 -- The predicted run: the live checkpoints that continue a run of `length` blocks, one after
@@ -245,19 +309,32 @@ local function predicted_run(k, length)
   return length
 end
 
-local function prefix_len(id)
-  return predicted_run(wkey(id, 'spec'), cached_run(wkey(id, 'cached')))
-end
-
-local rows = {}
+local alive, ids = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', key('role:' .. ARGV[2]))) do
   local state = redis.call('HMGET', wkey(id, 'state'), 'load', 'requests', 'tokens', 'until')
   if state[1] then  -- the heartbeat has not expired
-    local requests, tokens = state[2], state[3]
-    if tonumber(state[4]) <= now then requests, tokens = 0, 0 end
-    local stored = redis.call('SCARD', wkey(id, 'cached'))
-    rows[#rows + 1] = table.concat({id, state[1], prefix_len(id), requests, tokens, stored}, ' ')
+    if tonumber(state[4]) <= now then state[2], state[3] = 0, 0 end
+    alive[#alive + 1] = state
+    ids[#ids + 1] = id
   end
+end
+if #ids == 0 then return '' end
+local slots, stored = {}, {}
+for i = 1, #ids, CHUNK do
+  local last = math.min(i + CHUNK - 1, #ids)
+  local got_slots = redis.call('HMGET', key('slots'), unpack(ids, i, last))
+  local got_stored = redis.call('HMGET', key('stored'), unpack(ids, i, last))
+  for j = i, last do
+    slots[j] = got_slots[j - i + 1] and tonumber(got_slots[j - i + 1])
+    stored[j] = got_stored[j - i + 1] or 0
+  end
+end
+local runs = cached_runs(slots)
+local rows = {}
+for j, id in ipairs(ids) do
+  local state = alive[j]
+  local prefix = predicted_run(wkey(id, 'spec'), runs[j])
+  rows[j] = table.concat({id, state[1], prefix, state[2], state[3], stored[j]}, ' ')
 end
 return table.concat(rows, '\\n')
 """

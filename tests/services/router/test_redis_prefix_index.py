@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 from baton.services.engine.block_hash import hash_request_tokens
@@ -30,6 +31,51 @@ def test_snapshots_and_prompts_larger_than_one_command_chunk(redis_server):
     assert index.query("prefill", hashes)[0].num_cached_blocks == 5_000  # removal drops predictions too
     index.replace_blocks(info.worker_id, KVCacheSnapshot(9, frozenset()))
     assert index.cached_blocks(info.worker_id) == set()
+
+
+def assert_masks_match_sets(index) -> None:
+    """The inverted index (block -> mask of slots) says exactly what the workers' sets say."""
+    client = index.client
+    slots = {w.decode(): int(s) for w, s in client.hgetall(index.keys.slots).items()}
+    assert len(set(slots.values())) == len(slots), "two workers share a slot"
+    expected: dict[bytes, set[int]] = {}
+    for worker_id, slot in slots.items():
+        for block in index.cached_blocks(worker_id):
+            expected.setdefault(block, set()).add(slot)
+    masks = client.hgetall(index.keys.blocks)
+    got = {
+        block: {8 * i + b for i, byte in enumerate(mask) for b in range(8) if byte >> b & 1}
+        for block, mask in masks.items()
+    }
+    assert got == expected
+    assert all(mask[-1] != 0 for mask in masks.values()), "a mask keeps a trailing zero byte"
+
+
+def test_a_wiped_workers_bits_go_and_its_slot_is_reused_clean(redis_server):
+    index = make_index(make_config(redis_server))
+    hashes = hash_request_tokens(list(range(4 * 40)), 4)
+    workers = [make_info(f"w{i}", epoch=f"{1:024x}") for i in range(10)]  # slots past one byte
+    for i, info in enumerate(workers):
+        index.heartbeat(info, WorkerLoad(), TTL_S)
+        index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset(hashes[: 4 * i])))
+    assert_masks_match_sets(index)
+    assert [v.num_cached_blocks for v in index.query("prefill", hashes)] == [4 * i for i in range(10)]
+    restarted = make_info("w9", epoch=f"{2:024x}")  # a new epoch wipes the old one's entries
+    assert index.heartbeat(restarted, WorkerLoad(), TTL_S) == 1
+    assert_masks_match_sets(index)
+    assert index.client.hget(index.keys.slots, restarted.worker_id) == b"9"  # the lowest free slot
+    by_id = {v.worker_id: v for v in index.query("prefill", hashes)}
+    assert by_id[restarted.worker_id].num_cached_blocks == 0 and by_id[restarted.worker_id].num_stored_blocks == 0
+    index.deregister(workers[3].worker_id)
+    assert_masks_match_sets(index)
+    assert index.apply_events(workers[5].worker_id, [AllBlocksCleared(0)]).next_seq == 1
+    assert_masks_match_sets(index)
+    for info in workers[:3]:
+        index.deregister(info.worker_id)
+    index.deregister(restarted.worker_id)
+    for info in workers[4:9]:
+        index.deregister(info.worker_id)
+    assert index.client.exists(index.keys.blocks) == 0  # nobody holds anything: no masks left
 
 
 def test_every_key_of_a_model_carries_its_hash_tag(redis_server):
@@ -106,6 +152,7 @@ operations = st.one_of(
     st.tuples(st.just("snapshot"), worker, st.frozensets(st.integers(0, len(BLOCKS) - 1), max_size=8)),
     st.tuples(st.just("place"), worker, st.integers(0, len(BLOCKS)), st.integers(0, 64), st.integers(0, 12)),
     st.tuples(st.just("heartbeat"), worker, st.integers(0, 5)),
+    st.tuples(st.just("restart"), worker),  # a new epoch: the old one's entries are wiped
     st.tuples(st.just("advance"), st.integers(0, 2_000)),
 )
 
@@ -136,7 +183,8 @@ def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
     clock = Clock()
     redis_index = make_index(make_config(shared_redis), clock=clock)
     model = InMemoryPrefixIndex(redis_index.config, clock=clock)
-    infos = {name: make_info(name, epoch=f"{i + 1:024x}") for i, name in enumerate(WORKERS)}
+    epochs = iter(range(1, 1_000))
+    infos = {name: make_info(name, epoch=f"{next(epochs):024x}") for name in WORKERS}
     next_seq = dict.fromkeys(WORKERS, 0)
     last_batch: dict[str, list] = {name: [] for name in WORKERS}
     for index in (redis_index, model):
@@ -167,9 +215,40 @@ def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
             both("record_placement", worker_id, BLOCKS[: op[2]], op[3], op[4])
         elif kind == "heartbeat":
             both("heartbeat", infos[name], WorkerLoad(op[2], 0, 0, 0, 0), TTL_S)
+        elif kind == "restart":
+            infos[name] = make_info(name, epoch=f"{next(epochs):024x}")
+            both("heartbeat", infos[name], WorkerLoad(), TTL_S)
+            next_seq[name], last_batch[name] = 0, []
+            both("replace_blocks", infos[name].worker_id, KVCacheSnapshot(0, frozenset()))
         else:
             clock.now_ms += op[1]
         for name in WORKERS:
             both("cached_blocks", infos[name].worker_id)
         for length in (0, 3, 9, 11, len(BLOCKS)):  # 9 and 11 end between checkpoints
             both("query", "prefill", BLOCKS[:length])
+        assert_masks_match_sets(redis_index)
+
+
+def test_threads_route_on_their_own_connections_and_flush_waits_for_all(redis_server):
+    index = make_index(make_config(redis_server))
+    info = make_info("a")
+    index.heartbeat(info, WorkerLoad(), TTL_S)
+    index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset()))
+    hashes = hash_request_tokens(list(range(64)), 4)
+    start = threading.Barrier(4)
+
+    def place() -> None:
+        start.wait()
+        for _ in range(25):
+            index.query("prefill", hashes)
+            index.record_placement(info.worker_id, hashes, 10)
+
+    threads = [threading.Thread(target=place) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    index.flush()  # every thread's unanswered writes, not only this thread's
+    assert len(index._channels) == 4
+    view = index.client.hmget(index.keys.worker(info.worker_id, "state"), "requests", "tokens")
+    assert view == [b"100", b"1000"]
