@@ -59,10 +59,6 @@ local band, bor, lshift = bit.band, bit.bor, bit.lshift
 local HALF = CHUNK / 2  -- field-value pairs per HSET
 -- A mask is a string of bytes, bit (slot % 8) of byte (slot // 8 + 1) for each slot; no
 -- trailing zero bytes, so a block nobody holds has no field at all.
-local function has_bit(mask, slot)
-  local b = string.byte(mask, math.floor(slot / 8) + 1)
-  return b ~= nil and band(b, lshift(1, slot % 8)) ~= 0
-end
 local function with_bit(mask, slot, on)
   local i, flag = math.floor(slot / 8) + 1, lshift(1, slot % 8)
   local b = string.byte(mask, i) or 0
