@@ -27,45 +27,42 @@ ExtraKeys = tuple[str | int | bytes, ...]
 ROOT_PARENT_HASH: BlockHash = hashlib.sha256(BLOCK_HASH_SEED).digest()[:BLOCK_HASH_BYTES]
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
-    """Hash of one full block given its parent's hash (None for the first block)."""
-    h = hashlib.sha256(ROOT_PARENT_HASH if parent_hash is None else parent_hash)
-    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
-    for key in extra_keys:
-        h.update(_encode_key(key))
-    return h.digest()[:BLOCK_HASH_BYTES]
-
-
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: ExtraKeys = (),
     start: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids`; `start` holds hashes already computed.
-
-    Equal to chaining `hash_block_tokens` block by block; the tokens are packed once, which
-    halves the cost (a router hashes every prompt it places)."""
+    """Hashes of every full block of `token_ids`; `start` holds hashes already computed."""
     hashes = list(start)
     begin, end = len(hashes) * block_size, len(token_ids) // block_size * block_size
     if begin >= end:
         return hashes
-    packed = struct.pack(f"<{end - begin}I", *token_ids[begin:end])
-    length = struct.pack("<I", block_size)
     extra = b"".join(_encode_key(key) for key in extra_keys) if begin == 0 else b""
     parent = hashes[-1] if hashes else ROOT_PARENT_HASH
-    stride = 4 * block_size
-    sha256 = hashlib.sha256
-    for offset in range(0, len(packed), stride):
-        parent = sha256(b"".join((parent, length, packed[offset : offset + stride], extra))).digest()[:BLOCK_HASH_BYTES]
-        hashes.append(parent)
-        extra = b""
-    return hashes
+    return hashes + _chain(parent, _pack_tokens(token_ids[begin:end]), block_size, extra)
 
 
 def request_extra_keys(cache_salt: str | None) -> ExtraKeys:
     """Extra keys of a request's first block: a cache salt isolates tenants' caches."""
     return ("salt", cache_salt) if cache_salt else ()
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _chain(parent: BlockHash, packed: bytes, block_size: int, extra: bytes) -> list[BlockHash]:
+    """The hashes of consecutive full blocks of packed tokens. A block hashes its parent's
+    digest, its length and its tokens (uint32 little-endian), and the first block the extra
+    keys; packing the tokens once halves the cost of hashing a prompt."""
+    length = struct.pack("<I", block_size)
+    stride, sha256, hashes = 4 * block_size, hashlib.sha256, []
+    for offset in range(0, len(packed), stride):
+        parent = sha256(b"".join((parent, length, packed[offset : offset + stride], extra))).digest()[:BLOCK_HASH_BYTES]
+        hashes.append(parent)
+        extra = b""
+    return hashes
 
 
 def _encode_key(key: str | int | bytes) -> bytes:

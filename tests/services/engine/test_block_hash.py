@@ -1,4 +1,5 @@
-"""The block-hash contract: the fast whole-prompt path equals chaining block by block."""
+"""The block-hash contract: hash_request_tokens equals the documented encoding, chained block
+by block by an independent reference here."""
 
 from __future__ import annotations
 
@@ -7,18 +8,19 @@ import random
 import struct
 
 import pytest
-from baton.services.engine.block_hash import (
-    BLOCK_HASH_SEED,
-    hash_block_tokens,
-    hash_request_tokens,
-    request_extra_keys,
-)
+from baton.services.engine.block_hash import BLOCK_HASH_SEED, hash_request_tokens, request_extra_keys
 
 
 def chained(tokens, block_size, extra_keys=()):
-    hashes, parent = [], None
+    """sha256(parent digest | uint32 length | uint32 tokens | first block: tagged extra keys)[:16]."""
+    extra = b"".join(
+        b"s" + struct.pack("<I", len(k.encode())) + k.encode() for k in extra_keys
+    )  # request_extra_keys gives strings
+    hashes, parent = [], hashlib.sha256(BLOCK_HASH_SEED).digest()[:16]
     for begin in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tokens[begin : begin + block_size], extra_keys if begin == 0 else ())
+        block = tokens[begin : begin + block_size]
+        data = parent + struct.pack(f"<I{block_size}I", block_size, *block) + (extra if begin == 0 else b"")
+        parent = hashlib.sha256(data).digest()[:16]
         hashes.append(parent)
     return hashes
 
