@@ -3,9 +3,9 @@
 One router, decisions back to back against a local redis-server on loopback (started here,
 or --redis-url): first from one thread, then from several threads sharing the router, as
 Serve's request router calls it (asyncio.to_thread), each thread with its own connection.
-The index holds `--blocks` hashes spread over the workers: each worker caches 48 of 512 shared 128-block documents to a random depth, plus filler.
-Every request is a document's first k blocks followed by new tokens, so workers hold
-prefixes of every length. A reporter thread heartbeats all workers every 250 ms, as real
+The index holds `--blocks` hashes spread over the workers: each worker caches 48 of 512
+shared 128-block documents to a random depth, plus filler. Every request is a document's
+first k blocks followed by new tokens, so workers hold prefixes of every length. A reporter thread heartbeats all workers every 250 ms, as real
 workers do. Reported per decision:
 
   hash      the engine's block hashes of the prompt (128 blocks of 16 tokens)
