@@ -8,7 +8,11 @@ so the least recently freed cached block is evicted first:
     head (evict first) <-> b7 <-> b3 <-> b9 <-> tail (freed last)
 
 Requests free their blocks tail-first, so the end of a sequence is evicted before its
-start (a shorter prefix stays useful longer).
+start (a shorter prefix stays useful longer), and the cache stays prefix-closed: it never
+holds a block without its parent, which routers rely on. Twins keep it so: a request that
+recomputes a block already cached (its prompt's last block) holds an unregistered twin;
+while the twin is in use, evicting the cached copy registers the twin in its place, and
+when the twin is freed, the cached copy takes the twin's place in the eviction order.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class KVCacheBlock:
     # What the hash stands for, checked on every hit so a collision can never be served.
     parent_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
+    # Set while the block is an unregistered twin of the cached block of this hash.
+    twin_of: BlockHash | None = None
     # Free-queue links (only meaningful while ref_cnt == 0).
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -87,6 +93,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self._twins: dict[BlockHash, list[KVCacheBlock]] = {}  # in-use twins of cached blocks
         self._pending_events: list[KVEvent] = []
         self._next_seq = 0
 
@@ -128,8 +135,15 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                self._uncache(block)
+                twins = self._twins.get(block.block_hash)
+                if twins:  # an in-use twin takes over the registration: the hash stays cached
+                    twin = twins[-1]
+                    self._unlink_twin(twin)
+                    self._register(twin, block.block_hash, block.parent_hash, block.token_ids)
+                    block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+                else:
+                    evicted.append(block.block_hash)
+                    self._uncache(block)
             block.ref_cnt = 1
             blocks.append(block)
         if evicted:
@@ -150,6 +164,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.twin_of is not None:  # the cached copy takes the twin's place in the order
+                    cached = self.cached[self._unlink_twin(block)]
+                    if cached.ref_cnt == 0:
+                        self.free_queue.remove(cached)
+                        self.free_queue.append(cached)
 
     def cache_full_blocks(
         self,
@@ -173,14 +192,14 @@ class BlockPool:
             block, block_hash = blocks[i], block_hashes[i]
             parent = block_hashes[i - 1] if i > 0 else None
             if block.block_hash is not None or block_hash in self.cached:
-                # Already registered (shared by a fork) or a duplicate: ends the run.
+                # Already registered (shared by a fork) or a twin of a cached block: ends the run.
+                if block.block_hash is None and block.twin_of is None:
+                    block.twin_of = block_hash
+                    self._twins.setdefault(block_hash, []).append(block)
                 self._emit_stored(stored, run_parent, block_size)
                 stored, run_parent = [], block_hash
                 continue
-            block.block_hash = block_hash
-            block.parent_hash = parent
-            block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
-            self.cached[block_hash] = block
+            self._register(block, block_hash, parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
             stored.append(block_hash)
         self._emit_stored(stored, run_parent, block_size)
 
@@ -188,6 +207,10 @@ class BlockPool:
         """Forgets every cached prefix (blocks in use stay in use, just uncached)."""
         for block in list(self.cached.values()):
             self._uncache(block)
+        for twins in self._twins.values():
+            for twin in twins:
+                twin.twin_of = None
+        self._twins.clear()
         self._emit(AllBlocksCleared)
 
     def take_events(self) -> list[KVEvent]:
@@ -213,8 +236,29 @@ class BlockPool:
             assert block.block_hash == block_hash, f"{block} is registered under another hash"
         num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert num_hashed == len(self.cached), "a hashed block is missing from the cache map"
+        twins = [(h, t) for h, ts in self._twins.items() for t in ts]
+        assert len(twins) == sum(1 for b in self.blocks if b.twin_of is not None), "a twin is not listed"
+        for block_hash, twin in twins:
+            assert twin.twin_of == block_hash and twin.block_hash is None, twin
+            assert twin.ref_cnt > 0, f"{twin} is a free twin"
+            assert block_hash in self.cached, f"{twin} is the twin of an uncached block"
 
     # -- internals --------------------------------------------------------------------
+
+    def _register(
+        self, block: KVCacheBlock, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
+    ) -> None:
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self.cached[block_hash] = block
+
+    def _unlink_twin(self, twin: KVCacheBlock) -> BlockHash:
+        """Stops treating the block as a twin; returns the hash it was the twin of."""
+        block_hash, twin.twin_of = twin.twin_of, None
+        twins = self._twins[block_hash]
+        twins.remove(twin)
+        if not twins:
+            del self._twins[block_hash]
+        return block_hash
 
     def _uncache(self, block: KVCacheBlock) -> None:
         del self.cached[block.block_hash]
