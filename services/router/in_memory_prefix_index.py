@@ -22,6 +22,7 @@ from .prefix_index import (
     PrefixIndex,
     WorkerView,
     check_role,
+    cached_run,
     checkpoint_positions,
     checkpoints_beyond,
 )
@@ -189,7 +190,7 @@ class InMemoryPrefixIndex(PrefixIndex):
     @staticmethod
     def _prefix_length(worker: _Worker, block_hashes: Sequence[BlockHash], now: int) -> int:
         """The cached run, then the live speculative checkpoints that continue it (prefix_index.py)."""
-        length = next((i for i, h in enumerate(block_hashes) if h not in worker.blocks), len(block_hashes))
+        length = cached_run(len(block_hashes), lambda position: block_hashes[position - 1] in worker.blocks)
         for position in checkpoint_positions(len(block_hashes)):
             if position <= length:
                 continue

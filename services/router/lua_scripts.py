@@ -8,9 +8,9 @@ expiry by the same clock; tests and simulations pass their own time instead.
 A worker's blocks live in a set (what its events stored) and, for queries, in one inverted
 index per model: block hash -> a bitmap of the workers holding it, a worker's bit being the
 slot it got when it registered. Events, snapshots and wipes keep the two in step. A query
-finds every worker's cached run from the bitmaps of the prompt's first blocks, fetched in
-batches of 1, 2, 4, ... (the first settles the workers without block 1), so its look-ups
-grow with the longest run, not with the number of workers. Routers' predictions live
+searches every worker's cached run at once in the bitmaps (block 1 settles the workers
+without it; then doubling and bisection, trusting prefix closure), so its look-ups grow
+with the log of the runs, not with the number of workers. Routers' predictions live
 beside the sets in a small sorted set per worker, of checkpoint hashes scored by expiry
 (prefix_index.py says what a query credits). A look-up in a big set or hash costs about a
 microsecond of cache misses: the number of look-ups is what a query costs.
@@ -246,41 +246,69 @@ local function at(i)
   return h
 end
 
--- The cached runs of every worker at once: the masks of blocks 1, 2, 3, ... in batches of
--- 1, 2, 4, ... blocks (at most twice the longest run is fetched); a worker's run ends at the first block without its bit, and the
--- fetching stops when every run has ended. runs[j] is the run of slots[j] (false: no slot).
+-- The cached runs of every worker at once, each searched as prefix_index.cached_run does:
+-- block 1; then blocks 2, 4, 8, ... and the last, up to the first missing; then bisection
+-- between the last held and the first missing block. The workers' searches share one
+-- HMGET of the bitmaps per round. runs[j] is the run of slots[j] (false: no slot).
 local function cached_runs(slots)
-  local runs, going, at_byte, flag = {}, {}, {}, {}
+  local runs, masks, at_byte, flag = {}, {}, {}, {}  -- masks: position -> bitmap (false: none)
+  local function fetch(positions)
+    local todo, args = {}, {}
+    for _, p in ipairs(positions) do
+      if masks[p] == nil then
+        todo[#todo + 1] = p
+        args[#args + 1] = at(p)
+      end
+    end
+    if #args == 0 then return end
+    for i, mask in ipairs(redis.call('HMGET', key('blocks'), unpack(args))) do masks[todo[i]] = mask end
+  end
+  local function holds(j, p)
+    local b = masks[p] and string.byte(masks[p], at_byte[j])
+    return b ~= nil and b ~= false and band(b, flag[j]) ~= 0
+  end
+  local held, missing, searching = {}, {}, {}
+  if num > 0 then fetch({1}) end
   for j, slot in ipairs(slots) do
     runs[j] = 0
-    if slot then
-      going[#going + 1] = j
+    if slot and num > 0 then
       at_byte[j], flag[j] = math.floor(slot / 8) + 1, lshift(1, slot % 8)
-    end
-  end
-  local byte, first, size = string.byte, 1, 1
-  while #going > 0 and first <= num do
-    local last = math.min(first + size - 1, num)
-    local args = {}
-    for i = first, last do args[#args + 1] = at(i) end
-    local masks = redis.call('HMGET', key('blocks'), unpack(args))
-    for i = first, last do
-      local mask, ended = masks[i - first + 1], false
-      for _, j in ipairs(going) do
-        local b = mask and byte(mask, at_byte[j])
-        if b and band(b, flag[j]) ~= 0 then runs[j] = i else ended = true end
-      end
-      if ended then  -- drop the runs that ended here
-        local still = {}
-        for _, j in ipairs(going) do
-          if runs[j] == i then still[#still + 1] = j end
-        end
-        going = still
-        if #going == 0 then break end
+      if holds(j, 1) then
+        held[j], missing[j] = 1, num + 1
+        searching[#searching + 1] = j
       end
     end
-    first, size = last + 1, math.min(2 * size, CHUNK)
   end
+  if #searching > 0 and num > 1 then
+    local doubling, p = {}, 2
+    while p < num do
+      doubling[#doubling + 1] = p
+      p = 2 * p
+    end
+    doubling[#doubling + 1] = num
+    fetch(doubling)
+    for _, j in ipairs(searching) do
+      for _, q in ipairs(doubling) do
+        if not holds(j, q) then missing[j] = q break end
+        held[j] = q
+      end
+    end
+  end
+  while #searching > 0 do
+    local still, middles = {}, {}
+    for _, j in ipairs(searching) do
+      if missing[j] - held[j] > 1 then
+        still[#still + 1] = j
+        middles[#middles + 1] = math.floor((held[j] + missing[j]) / 2)
+      end
+    end
+    if #still > 0 then fetch(middles) end
+    for i, j in ipairs(still) do
+      if holds(j, middles[i]) then held[j] = middles[i] else missing[j] = middles[i] end
+    end
+    searching = still
+  end
+  for j, run in pairs(held) do runs[j] = run end
   return runs
 end
 

@@ -8,6 +8,7 @@ import pytest
 from baton.services.engine.block_hash import hash_request_tokens
 from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
 from baton.services.router import ApplyStatus, HeartbeatResult, InMemoryPrefixIndex, WorkerLoad, WorkerRole
+from baton.services.router.prefix_index import cached_run
 from testlib.router_setup import make_config, make_index, make_info
 
 TTL_S = 0.3
@@ -218,3 +219,23 @@ def test_deregister_removes_everything(setup):
     index.deregister(info.worker_id)
     assert index.query("prefill", HASHES) == [] and index.cached_blocks(info.worker_id) == set()
     assert index.heartbeat(info, WorkerLoad(), TTL_S) is HeartbeatResult.REGISTERED
+
+
+def test_the_run_search_is_exact_for_prefix_closed_caches_in_logarithmic_look_ups():
+    for num_blocks in [*range(0, 70), 127, 128, 129, 1000]:
+        for run in {0, min(1, num_blocks), num_blocks // 3, num_blocks // 2, max(num_blocks - 1, 0), num_blocks}:
+            probes = []
+
+            def holds(position, run=run, probes=probes, num_blocks=num_blocks):
+                assert 1 <= position <= num_blocks
+                probes.append(position)
+                return position <= run
+
+            assert cached_run(num_blocks, holds) == run
+            assert len(probes) <= 2 * max(num_blocks, 1).bit_length() + 1, (num_blocks, run, probes)
+
+
+def test_the_run_search_trusts_prefix_closure():
+    held = {1, 2, 4, 5, 6, 7, 8}  # a hole at block 3, which blocks 2, 4 and 8 hide from the probes
+    assert cached_run(8, held.__contains__) == 8
+    assert cached_run(8, {1, 2, 3, 5}.__contains__) == 3

@@ -107,7 +107,7 @@ def test_the_server_clock_judges_expiry_when_no_clock_is_injected(redis_server):
 
 
 def test_long_prompts_with_gaps_and_predictions_agree_with_the_model(redis_server):
-    """The query's search (probes, then one look-up of the rest) against the model's plain scan."""
+    """The query's search in Lua against the model's in Python, caches with holes included."""
     clock = Clock()
     redis_index = make_index(make_config(redis_server), clock=clock)
     model = InMemoryPrefixIndex(redis_index.config, clock=clock)
