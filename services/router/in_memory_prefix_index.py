@@ -21,8 +21,8 @@ from .prefix_index import (
     HeartbeatResult,
     PrefixIndex,
     WorkerView,
-    check_role,
     cached_run,
+    check_role,
     checkpoint_positions,
     checkpoints_beyond,
 )
