@@ -13,7 +13,8 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
            baton_kv_path_total{path}                counter    disaggregated requests by how the KV got there
   router   baton_router_decisions_total{role,reason} counter   prefix | load | imbalance | fallback | no_workers
   worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
-           baton_num_free_kv_blocks{role}, baton_prefix_cache_queries_total / _hits_total{role},
+           baton_num_free_kv_blocks{role}, baton_num_warm_free_kv_blocks{role} (free, holding a prefix used within
+           cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
            baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
            baton_kv_leases_expired_total, baton_step_seconds{role},
            baton_model_flops_utilization{role}, baton_memory_bandwidth_utilization{role}
@@ -53,6 +54,9 @@ def _metrics() -> dict[str, Any]:
         "waiting": Gauge("baton_num_requests_waiting", "Requests waiting in the engine", role),
         "kv_usage": Gauge("baton_kv_cache_usage_ratio", "Share of KV-cache blocks in use", role),
         "free_blocks": Gauge("baton_num_free_kv_blocks", "Free KV-cache blocks", role),
+        "warm_blocks": Gauge(
+            "baton_num_warm_free_kv_blocks", "Free KV-cache blocks holding a prefix used within the warm window", role
+        ),
         "prefix_queries": Counter("baton_prefix_cache_queries_total", "Prompt tokens looked up", role),
         "prefix_hits": Counter("baton_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", role),
         "kv_bytes": Counter("baton_kv_transfer_bytes_total", "KV bytes received by decode workers", role),
@@ -135,6 +139,7 @@ class EngineMetrics:
         m["waiting"].set(stats.num_waiting, self.tags)
         m["kv_usage"].set(stats.kv_cache_usage, self.tags)
         m["free_blocks"].set(stats.num_free_kv_blocks, self.tags)
+        m["warm_blocks"].set(stats.num_warm_free_kv_blocks, self.tags)
         m["step_seconds"].set(stats.step_seconds, self.tags)
         m["mfu"].set(stats.model_flops_utilization, self.tags)
         m["mbu"].set(stats.memory_bandwidth_utilization, self.tags)

@@ -215,6 +215,7 @@ class AsyncLLM:
                     self._commands.popleft()()
                 if not self.engine.has_unfinished_requests() and not self.engine.needs_polling():
                     self.engine.publish_kv_events()  # an idle engine still answers snapshot requests
+                    self._stats = self.engine.stats()  # aborts free blocks, and warm blocks cool while idle
                     self._wakeup.wait(timeout=_IDLE_TICK_S)
                     self._wakeup.clear()
                     continue

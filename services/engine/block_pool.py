@@ -13,11 +13,20 @@ holds a block without its parent, which routers rely on. Twins keep it so: a req
 recomputes a block already cached (its prompt's last block) holds an unregistered twin;
 while the twin is in use, evicting the cached copy registers the twin in its place, and
 when the twin is freed, the cached copy takes the twin's place in the eviction order.
+
+Warm blocks: free blocks that hold a cached prefix are counted by the second they were
+freed, so the pool tells in O(window) how many of them were in use within the last
+`warm_window_s` (`num_warm_free_blocks`). Routers read it from load reports: a placement
+that needs more blocks than the cold ones (never used, uncached, or idle longer than the
+window, and older ones come first off the queue) evicts prefixes that are still in use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import collections
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_hash import BlockHash
@@ -35,6 +44,8 @@ class KVCacheBlock:
     token_ids: tuple[int, ...] = ()
     # Set while the block is an unregistered twin of the cached block of this hash.
     twin_of: BlockHash | None = None
+    # The second it was freed, while it is free and cached (BlockPool._warm counts it).
+    freed_second: int | None = None
     # Free-queue links (only meaningful while ref_cnt == 0).
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -85,7 +96,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        warm_window_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -94,6 +111,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._twins: dict[BlockHash, list[KVCacheBlock]] = {}  # in-use twins of cached blocks
+        # second -> free cached blocks freed in it; keys ascend (time only moves forward)
+        self._warm: dict[int, int] = {}
+        self.warm_window_s = warm_window_s
+        self._clock = clock
         self._pending_events: list[KVEvent] = []
         self._next_seq = 0
 
@@ -106,6 +127,14 @@ class BlockPool:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_warm_free_blocks(self) -> int:
+        """Free blocks holding a cached prefix that was in use within the last `warm_window_s`."""
+        cutoff = int(self._clock() - self.warm_window_s)
+        for second in list(itertools.takewhile(lambda second: second < cutoff, self._warm)):
+            del self._warm[second]  # its blocks stay free, just no longer warm
+        return sum(self._warm.values())
 
     def get_cached_block(
         self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
@@ -134,6 +163,7 @@ class BlockPool:
         evicted: list[BlockHash] = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            self._cool(block)
             if block.block_hash is not None:
                 twins = self._twins.get(block.block_hash)
                 if twins:  # an in-use twin takes over the registration: the hash stays cached
@@ -155,6 +185,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self._cool(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
@@ -164,11 +195,14 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self._warm_up(block)
                 if block.twin_of is not None:  # the cached copy takes the twin's place in the order
                     cached = self.cached[self._unlink_twin(block)]
                     if cached.ref_cnt == 0:
                         self.free_queue.remove(cached)
                         self.free_queue.append(cached)
+                        self._cool(cached)
+                        self._warm_up(cached)
 
     def cache_full_blocks(
         self,
@@ -206,6 +240,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (blocks in use stay in use, just uncached)."""
         for block in list(self.cached.values()):
+            self._cool(block)
             self._uncache(block)
         for twins in self._twins.values():
             for twin in twins:
@@ -242,6 +277,11 @@ class BlockPool:
             assert twin.twin_of == block_hash and twin.block_hash is None, twin
             assert twin.ref_cnt > 0, f"{twin} is a free twin"
             assert block_hash in self.cached, f"{twin} is the twin of an uncached block"
+        for block in self.blocks:
+            if block.freed_second is not None:
+                assert block.ref_cnt == 0 and block.block_hash is not None, f"{block} is counted warm"
+        counted = collections.Counter(b.freed_second for b in queued if b.freed_second in self._warm)
+        assert counted == self._warm, f"warm counts drifted: {dict(self._warm)} != {dict(counted)}"
 
     # -- internals --------------------------------------------------------------------
 
@@ -259,6 +299,21 @@ class BlockPool:
         if not twins:
             del self._twins[block_hash]
         return block_hash
+
+    def _warm_up(self, block: KVCacheBlock) -> None:
+        """Counts a block that just joined the free queue, if it holds a cached prefix."""
+        if block.block_hash is not None:
+            second = block.freed_second = int(self._clock())
+            self._warm[second] = self._warm.get(second, 0) + 1
+
+    def _cool(self, block: KVCacheBlock) -> None:
+        """Stops counting a block (it left the free queue or lost its prefix)."""
+        second, block.freed_second = block.freed_second, None
+        count = self._warm.get(second)  # None: not counted, or its second is out of every window
+        if count == 1:
+            del self._warm[second]
+        elif count is not None:
+            self._warm[second] = count - 1
 
     def _uncache(self, block: KVCacheBlock) -> None:
         del self.cached[block.block_hash]

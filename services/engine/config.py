@@ -46,6 +46,12 @@ class CacheConfig(BaseModel):
         0.9, gt=0, le=1, description="On CUDA without an explicit budget: fraction of device memory to use"
     )
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks across requests")
+    warm_window_s: float = Field(
+        30.0,
+        gt=0,
+        description="A free block whose cached prefix was in use within this many seconds counts as warm in load "
+        "reports; routers charge a placement for the warm blocks it would evict",
+    )
 
     @model_validator(mode="after")
     def _block_size_is_power_of_two(self) -> CacheConfig:

@@ -59,6 +59,7 @@ class EngineStats:
     kv_cache_usage: float
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which were found
+    num_warm_free_kv_blocks: int = 0  # free blocks whose cached prefix was used within cache.warm_window_s
     num_kv_leases: int = 0  # prefill side: prompts held for decode workers
     num_kv_receiving: int = 0  # decode side: prompts whose K/V is in flight
     kv_recv_ok: int = 0
@@ -242,6 +243,7 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
+            num_warm_free_kv_blocks=kv.pool.num_warm_free_blocks,
             num_kv_leases=len(handover.leases),
             num_kv_receiving=len(handover.receiving),
             kv_recv_ok=handover.num_recv_ok,

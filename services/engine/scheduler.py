@@ -43,7 +43,7 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache.block_size
-        self.kv = KVCacheManager(cache.block_size, num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(cache.block_size, num_blocks, cache.enable_prefix_caching, cache.warm_window_s)
         self.handover = KVHandover(self.kv, lease_s)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -78,7 +78,7 @@ def assert_prefix_closed(kv: KVCacheManager, sequences: list[tuple[int, ...]]) -
 
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["add", "extend", "free"]), st.integers(0, 7), st.integers(1, 14)),
+    st.tuples(st.sampled_from(["add", "extend", "free", "wait"]), st.integers(0, 7), st.integers(1, 14)),
     min_size=1,
     max_size=60,
 )
@@ -87,7 +87,8 @@ operations = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(operations)
 def test_random_operations_keep_the_invariants(ops):
-    kv = KVCacheManager(block_size=B, num_blocks=16)
+    clock = FakeClock()
+    kv = KVCacheManager(block_size=B, num_blocks=16, warm_window_s=5, clock=clock)
     live: dict[str, Request] = {}
     sequences: list[tuple[int, ...]] = []  # every request's tokens, as added and as extended
     counter = 0
@@ -113,6 +114,12 @@ def test_random_operations_keep_the_invariants(ops):
         elif op == "free" and live:
             request = live.pop(list(live)[choice % len(live)])
             kv.free(request)
+        elif op == "wait":
+            clock.now += length
+        # Warm: the cached free blocks stamped within the window (check_integrity holds the
+        # counts to the stamps; the stamps are checked by the deterministic tests below).
+        warm = [b for b in kv.pool.free_queue if b.block_hash is not None and b.freed_second >= int(clock.now - 5)]
+        assert kv.pool.num_warm_free_blocks == len(warm)
         kv.check_integrity()
         assert_prefix_closed(kv, sequences)
     for request in live.values():
@@ -122,7 +129,8 @@ def test_random_operations_keep_the_invariants(ops):
 
 
 def test_the_cache_stays_prefix_closed_when_a_cached_copy_is_evicted():
-    kv = KVCacheManager(block_size=B, num_blocks=16)
+    clock = FakeClock()
+    kv = KVCacheManager(block_size=B, num_blocks=16, warm_window_s=5, clock=clock)
     live: dict[str, Request] = {}
     sequences = []
     for i, (choice, length) in enumerate([(0, 9), (2, 8), (2, 8), (0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (1, 13)]):
@@ -167,4 +175,64 @@ def test_a_twin_takes_over_an_evicted_registration_and_lends_its_place_when_free
     kv.free(again)  # ... then its twin: the registered block moves to the twin's place
     order = [b.block_id for b in kv.pool.free_queue]
     assert order.index(twin_ids[1]) > order.index(again_ids[1])
+    kv.check_integrity()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_warm_blocks_are_cached_free_blocks_used_within_the_window():
+    clock = FakeClock()
+    kv = KVCacheManager(block_size=B, num_blocks=12, warm_window_s=30, clock=clock)
+    assert kv.pool.num_warm_free_blocks == 0  # never-used blocks are cold
+    first = make_request("a", range(100, 109))  # 2 full blocks + 1 token
+    run_prefill(kv, first)
+    assert kv.pool.num_warm_free_blocks == 0  # in use, not free
+    kv.free(first)
+    assert kv.pool.num_warm_free_blocks == 2  # the partial block holds no prefix
+    clock.now += 20
+    second = make_request("b", range(200, 213))  # 3 full blocks + 1
+    run_prefill(kv, second)
+    kv.free(second)
+    assert kv.pool.num_warm_free_blocks == 5
+    clock.now += 15
+    assert kv.pool.num_warm_free_blocks == 3  # a's blocks were last used 35 s ago
+    # A hit revives a's blocks (in use: not free); freed again, they are warm again.
+    again = make_request("c", range(100, 109))
+    hits, num_hit = kv.get_computed_blocks(again)
+    kv.allocate_slots(again, again.num_tokens - num_hit, hits)
+    assert kv.pool.num_warm_free_blocks == 3
+    kv.free(again)
+    assert kv.pool.num_warm_free_blocks == 5
+    kv.check_integrity()
+    # Eviction cools: 12 new blocks take every free block, cached or not.
+    big = make_request("d", range(300, 348))
+    run_prefill(kv, big)
+    assert kv.pool.num_warm_free_blocks == 0
+    kv.free(big)
+    assert kv.pool.num_warm_free_blocks == 12
+    kv.reset_prefix_cache()
+    assert kv.pool.num_warm_free_blocks == 0
+    kv.check_integrity()
+
+
+def test_a_freed_twin_warms_the_cached_copy():
+    clock = FakeClock()
+    kv = KVCacheManager(block_size=B, num_blocks=12, warm_window_s=30, clock=clock)
+    tokens = list(range(100, 108))  # exactly 2 blocks: the last one is always recomputed
+    holder = make_request("a", tokens)
+    run_prefill(kv, holder)
+    kv.free(holder)
+    clock.now += 100  # a's blocks are cold
+    assert kv.pool.num_warm_free_blocks == 0
+    twin = make_request("b", tokens)
+    run_prefill(kv, twin)  # hits block 1, recomputes block 2 into a twin
+    kv.free(twin)
+    # Block 1 was used by b; block 2's cached copy takes the twin's place and is warm too.
+    assert kv.pool.num_warm_free_blocks == 2
     kv.check_integrity()

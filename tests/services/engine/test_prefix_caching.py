@@ -4,6 +4,7 @@ events that replay to the pool's state, and an LRU that survives requests."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from baton.services.engine import LLM, SamplingParams
@@ -103,3 +104,13 @@ def test_events_replay_to_the_pool_state(llama_dir):
     engine.scheduler.kv.reset_prefix_cache()
     engine.publish_kv_events()
     assert apply_events(set(), publisher.events) == set()
+
+
+def test_stats_report_warm_free_blocks(llama_dir, prompts):
+    """The blocks a finished request leaves cached count as warm until the window passes."""
+    llm = LLM(model=str(llama_dir), num_kv_blocks=128, block_size=BLOCK, warm_window_s=1)
+    assert llm.engine.stats().num_warm_free_kv_blocks == 0
+    llm.generate([prompts["base"]], GREEDY)  # 64 + 12 tokens: 4 full blocks cached, 1 partial
+    assert llm.engine.stats().num_warm_free_kv_blocks == 4
+    time.sleep(2.1)
+    assert llm.engine.stats().num_warm_free_kv_blocks == 0
