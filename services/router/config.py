@@ -151,6 +151,12 @@ class PolicyConfig(BaseModel):
     overlap_weight: float = Field(
         1.0, ge=0, description="Weight of a worker's uncached prompt tokens against its queued tokens (0: load only)"
     )
+    eviction_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the warm cached tokens a placement would evict, against its uncached prompt tokens "
+        "(0: ignore evictions)",
+    )
     temperature: float = Field(
         0.0, ge=0, description="Softmax temperature over costs to spread near-ties (0: always the cheapest)"
     )

@@ -14,6 +14,9 @@ Per candidate (a WorkerView, prefix_index.py), for a prompt of T tokens and bloc
     requests = running + waiting + placements newer than its last load report
     queued   = waiting prefill tokens + the new tokens of those placements
     stored   = blocks the index holds for it (its whole cache, not just this prompt)
+    evicts   = warm blocks the placement would evict: the new tokens' blocks beyond its cold
+               free blocks (free blocks that hold nothing, or a prefix unused for longer than
+               the engine's cache.warm_window_s), net of the blocks of those placements
 
 PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
 
@@ -21,13 +24,19 @@ PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
         r_max - r_min > balance_abs_threshold   and   r_max > balance_rel_threshold * r_min
     means affinity has piled work onto some workers (a hot prefix): rank by load alone,
     (requests, queued, id); reason "imbalance".
- 2. Affinity. cost = overlap_weight * new + queued, in tokens: the prefill this request
-    adds on that worker plus the prefill already queued ahead of it. Rank by
+ 2. Affinity. cost = overlap_weight * new + queued + eviction_weight * evicts * B, in
+    tokens: the prefill this request adds on that worker, the prefill already queued ahead
+    of it, and the prefill that re-computing what it evicts would cost. Rank by
     (cost, requests, stored, id); reason "prefix" if the first worker holds part of the
     prompt, else "load". A warm worker wins while its queue is shorter than the prefill it
-    saves. On equal cost and load, a prompt goes to the worker holding the least: a prefix
-    nobody holds lands where it evicts the least, so idle workers split new prefixes between
-    them instead of all going to the first id (which then thrashes while the others idle).
+    saves. The eviction term keeps a new prefix off a worker whose cache is full of prefixes
+    in use while another has room: without it, a worker that happens to be idle when a
+    prefix first arrives takes it even if its cache then thrashes (every later request of
+    its prefixes finds only part of its prompt) while the other worker's cache sits half
+    empty. When every cache is full of live prefixes, the term charges all workers alike
+    per new block, which only makes affinity stickier. On equal cost and load, a prompt
+    goes to the worker holding the least, so idle workers split new prefixes between them
+    instead of all going to the first id.
  3. Temperature (optional). With temperature t > 0 the first worker is drawn with
     probability proportional to exp(-(cost - min cost) / (t * T)), so t = 1 means a cost
     gap of one whole prompt makes a worker e times less likely; the rest follow by cost.
@@ -44,6 +53,9 @@ Knobs (PolicyConfig in config.py, defaults in brackets):
                                 1.0 makes the absolute threshold the only condition.
     overlap_weight [1.0]        tokens of prefill saved versus tokens of queue accepted:
                                 higher keeps prefixes sticky, 0 ignores the cache.
+    eviction_weight [1.0]       tokens of prefill charged per token of warm cache a placement
+                                evicts: 1 counts an evicted block as a block to recompute
+                                later, 0 ignores what a placement evicts.
     temperature [0.0]           spreads near-ties; 0 is fully deterministic.
 
 Borrowed ideas: the two thresholds of SGLang's cache-aware policy, the prefill-cost logit and
@@ -96,6 +108,7 @@ class RankedWorker:
     cost: float  # what the policy ranked by (lower is better; tokens for prefill)
     num_cached_blocks: int  # usable cached prefix of the prompt there
     num_new_tokens: int  # prompt tokens it would compute
+    num_evicted_blocks: int = 0  # warm cached blocks its allocation would evict
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +165,16 @@ class PrefixAwarePolicy(RoutingPolicy):
         self, request: RoutingRequest, candidates: Sequence[WorkerView], queued: list[int]
     ) -> list[RankedWorker]:
         max_cached, num_tokens, block_size = request.max_cached_blocks, request.num_prompt_tokens, request.block_size
-        weight = self.config.overlap_weight
+        weight, eviction_weight = self.config.overlap_weight, self.config.eviction_weight * block_size
         ranked = []
         for candidate, num_queued in zip(candidates, queued):
             cached = min(candidate.num_cached_blocks, max_cached)
             new = num_tokens - cached * block_size
-            ranked.append(RankedWorker(candidate.worker_id, weight * new + num_queued, cached, new))
+            load = candidate.load
+            cold = load.num_free_kv_blocks - load.num_warm_free_kv_blocks - -(-candidate.num_pending_tokens // block_size)
+            evicts = max(0, -(-new // block_size) - max(cold, 0))
+            cost = weight * new + num_queued + eviction_weight * evicts
+            ranked.append(RankedWorker(candidate.worker_id, cost, cached, new, evicts))
         return ranked
 
     def _draw(self, request: RoutingRequest, ranked: list[RankedWorker]) -> int:

@@ -76,6 +76,9 @@ class WorkerInfo:
         return cls(**json.loads(text))
 
 
+_FIELDS_OF_FIRST_RELEASE = 5
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     num_running: int = 0  # requests in the running batch
@@ -83,6 +86,7 @@ class WorkerLoad:
     num_waiting_prefill_tokens: int = 0  # prompt tokens of the queued requests
     num_free_kv_blocks: int = 0
     num_kv_blocks: int = 0
+    num_warm_free_kv_blocks: int = 0  # free blocks whose cached prefix was in use lately (engine's warm window)
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -101,10 +105,11 @@ class WorkerLoad:
             stats.num_waiting_prefill_tokens,
             stats.num_free_kv_blocks,
             stats.num_kv_blocks,
+            stats.num_warm_free_kv_blocks,
         )
 
     def encode(self) -> str:
-        """Five comma-separated integers: cheaper to write and parse than JSON, twice a second per worker."""
+        """Comma-separated integers in field order: cheaper to write and parse than JSON, twice a second per worker."""
         return ",".join(str(getattr(self, name)) for name in self.__slots__)
 
     @classmethod
@@ -112,6 +117,9 @@ class WorkerLoad:
         if isinstance(text, bytes):
             text = text.decode()
         fields = text.split(",")
-        if len(fields) != len(cls.__slots__):
-            raise ValueError(f"a load report has {len(cls.__slots__)} fields, got {text!r}")
+        # A worker of an older release sends fewer fields; the missing ones keep their defaults.
+        if not _FIELDS_OF_FIRST_RELEASE <= len(fields) <= len(cls.__slots__):
+            raise ValueError(
+                f"a load report has {_FIELDS_OF_FIRST_RELEASE} to {len(cls.__slots__)} fields, got {text!r}"
+            )
         return cls(*map(int, fields))

@@ -18,8 +18,10 @@ from baton.services.router import (
 BLOCK = 16
 
 
-def view(worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100, stored=0):
-    load = WorkerLoad(running, waiting, queued, free, 128)
+def view(
+    worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100, stored=0, warm=0
+):
+    load = WorkerLoad(running, waiting, queued, free, 128, warm)
     return WorkerView(worker_id, load, 0, cached, pending, pending_tokens, stored)
 
 
@@ -97,6 +99,35 @@ def test_a_prefix_nobody_holds_goes_to_the_worker_holding_least():
     assert PrefixAwarePolicy().rank(request(), warm).best.worker_id == "a"
     busy = [view("a", running=1, stored=0), view("b", stored=300)]
     assert PrefixAwarePolicy().rank(request(), busy).best.worker_id == "b"
+
+
+def test_a_new_prefix_goes_where_it_evicts_no_warm_blocks():
+    # 256 tokens need 16 blocks. "full" has 20 free blocks, 15 of them warm: placing there
+    # evicts 11 warm blocks (176 tokens to recompute later); "roomy" evicts none.
+    full, roomy = view("full", free=20, warm=15), view("roomy", free=60, warm=10, queued=100)
+    placement = PrefixAwarePolicy().rank(request(), [full, roomy])
+    assert placement.worker_ids == ["roomy", "full"]
+    assert [r.num_evicted_blocks for r in placement.ranked] == [0, 11]
+    assert placement.ranked[1].cost == 256 + 11 * BLOCK
+    # ... unless its queue costs more than the evictions; eviction_weight 0 ignores them
+    assert PrefixAwarePolicy().rank(request(), [full, view("roomy", queued=200)]).best.worker_id == "full"
+    assert PrefixAwarePolicy(PolicyConfig(eviction_weight=0)).rank(request(), [full, roomy]).best.worker_id == "full"
+
+
+def test_placements_newer_than_the_report_use_up_cold_blocks():
+    # 30 cold free blocks, but a pending placement of 320 tokens takes 20 of them
+    busy = view("a", free=30, pending=1, pending_tokens=320)
+    assert PrefixAwarePolicy().rank(request(), [busy]).best.num_evicted_blocks == 6
+
+
+def test_a_warm_worker_pays_for_evictions_only_beyond_its_cold_blocks():
+    # both caches are full of live prefixes: the warm worker needs 8 new blocks, the cold one 16
+    warm, cold = view("warm", cached=8, free=10, warm=10), view("cold", free=10, warm=10)
+    ranked = PrefixAwarePolicy().rank(request(), [warm, cold]).ranked
+    assert [(r.worker_id, r.num_evicted_blocks, r.cost) for r in ranked] == [
+        ("warm", 8, 128 + 128),
+        ("cold", 16, 256 + 256),
+    ]
 
 
 def test_temperature_spreads_ties_reproducibly_by_request_id():

@@ -48,18 +48,23 @@ def test_bad_worker_info_is_named(fields, message):
 
 
 def test_load_reports_encode_compactly_and_decode_back():
-    load = WorkerLoad(3, 4, 512, 100, 128)
-    assert load.encode() == "3,4,512,100,128"
+    load = WorkerLoad(3, 4, 512, 100, 128, 60)
+    assert load.encode() == "3,4,512,100,128,60"
     assert WorkerLoad.decode(load.encode().encode()) == load
     assert load.num_requests == 7
 
 
+def test_a_report_from_an_older_worker_decodes_with_defaults():
+    # the first release sent five fields (no warm blocks): routers must keep reading it
+    assert WorkerLoad.decode("3,4,512,100,128") == WorkerLoad(3, 4, 512, 100, 128, 0)
+
+
 def test_load_comes_from_engine_stats():
-    stats = EngineStats(2, 1, 40, 64, 50, 0.2, 10, 5)
-    assert WorkerLoad.from_engine_stats(stats) == WorkerLoad(2, 1, 40, 50, 64)
+    stats = EngineStats(2, 1, 40, 64, 50, 0.2, 10, 5, num_warm_free_kv_blocks=30)
+    assert WorkerLoad.from_engine_stats(stats) == WorkerLoad(2, 1, 40, 50, 64, 30)
 
 
-@pytest.mark.parametrize("text", ["1,2,3", "1,2,3,4,x", "1,2,3,4,-5"])
+@pytest.mark.parametrize("text", ["1,2,3", "1,2,3,4,x", "1,2,3,4,-5", "1,2,3,4,5,6,7"])
 def test_bad_load_reports_are_refused(text):
     with pytest.raises(ValueError):
         WorkerLoad.decode(text)
