@@ -2,7 +2,10 @@
 
 The gateway tries the first worker and falls down the list when a replica refuses. Both
 policies are pure functions of their inputs (one index query), so router replicas that
-read the same Redis state decide the same; ties break by worker id.
+read the same Redis state decide the same. Prefill ties break by a hash of the prompt's
+first block and the worker id (rendezvous hashing): the same prefix goes to the same worker,
+different prefixes spread over the workers, and no worker id is favoured. Decode ties break
+by worker id.
 
 Per candidate (a WorkerView, prefix_index.py), for a prompt of T tokens and block size B:
 
@@ -23,11 +26,11 @@ PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
  1. Imbalance guard. With r_max and r_min the most and fewest requests over the candidates,
         r_max - r_min > balance_abs_threshold   and   r_max > balance_rel_threshold * r_min
     means affinity has piled work onto some workers (a hot prefix): rank by load alone,
-    (requests, queued, id); reason "imbalance".
+    (requests, queued, tie); reason "imbalance".
  2. Affinity. cost = overlap_weight * new + queued + eviction_weight * evicts * B, in
     tokens: the prefill this request adds on that worker, the prefill already queued ahead
     of it, and the prefill that re-computing what it evicts would cost. Rank by
-    (cost, requests, stored, id); reason "prefix" if the first worker holds part of the
+    (cost, requests, stored, tie); reason "prefix" if the first worker holds part of the
     prompt, else "load". A warm worker wins while its queue is shorter than the prefill it
     saves. The eviction term keeps a new prefix off a worker whose cache is full of prefixes
     in use while another has room: without it, a worker that happens to be idle when a
@@ -35,8 +38,8 @@ PREFILL (PrefixAwarePolicy): imbalance guard first, affinity second.
     its prefixes finds only part of its prompt) while the other worker's cache sits half
     empty. When every cache is full of live prefixes, the term charges all workers alike
     per new block, which only makes affinity stickier. On equal cost and load, a prompt
-    goes to the worker holding the least, so idle workers split new prefixes between them
-    instead of all going to the first id.
+    goes to the worker holding the least, so idle workers split new prefixes between them;
+    on equal holdings the tie-break hash spreads them.
  3. Temperature (optional). With temperature t > 0 the first worker is drawn with
     probability proportional to exp(-(cost - min cost) / (t * T)), so t = 1 means a cost
     gap of one whole prompt makes a worker e times less likely; the rest follow by cost.
@@ -69,6 +72,7 @@ import enum
 import hashlib
 import math
 import random
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +94,9 @@ class RoutingRequest:
     request_id: str
     num_prompt_tokens: int
     block_size: int
+    # What prefill ties are broken by: the prompt's first block hash, so equal prefixes tie
+    # the same way (empty: the request id, for prompts shorter than a block).
+    affinity_key: bytes = b""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -143,12 +150,13 @@ class PrefixAwarePolicy(RoutingPolicy):
         requests = [c.num_requests for c in candidates]
         queued = [c.num_queued_tokens for c in candidates]
         ranked = self._costs(request, candidates, queued)
+        seed = zlib.crc32(request.affinity_key or request.request_id.encode())
+        ties = [(zlib.crc32(r.worker_id.encode(), seed), r.worker_id) for r in ranked]
         if self.is_imbalanced(requests):
-            keys = [(requests[i], queued[i], r.worker_id, i) for i, r in enumerate(ranked)]
+            keys = [(requests[i], queued[i], ties[i], i) for i in range(len(ranked))]
             return Placement(tuple(ranked[key[-1]] for key in sorted(keys)), PlacementReason.IMBALANCE)
         keys = [
-            (r.cost, requests[i], c.num_stored_blocks, r.worker_id, i)
-            for i, (r, c) in enumerate(zip(ranked, candidates))
+            (r.cost, requests[i], c.num_stored_blocks, ties[i], i) for i, (r, c) in enumerate(zip(ranked, candidates))
         ]
         ranked = [ranked[key[-1]] for key in sorted(keys)]
         if self.config.temperature > 0 and len(ranked) > 1:

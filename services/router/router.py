@@ -114,7 +114,8 @@ class PrefixRouter:
                 f"{len(block_hashes)} block hashes do not match {num_prompt_tokens} prompt tokens "
                 f"at block_size {self.config.block_size}"
             )
-        request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
+        affinity_key = block_hashes[0] if block_hashes else b""
+        request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size, affinity_key)
         placement = self._route("prefill", self.prefill_policy, request, block_hashes, record)
         if placement.best is not None:
             self.counters.num_prompt_blocks += len(block_hashes)

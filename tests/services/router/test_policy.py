@@ -83,11 +83,25 @@ def test_imbalance_guard_needs_both_thresholds(requests_a, requests_b, imbalance
     assert placement.best.worker_id == ("b" if imbalanced else "a")
 
 
-def test_ties_break_by_worker_id_whatever_the_input_order():
+def test_ties_break_the_same_whatever_the_input_order():
     candidates = [view("c"), view("a"), view("b")]
-    for order in (candidates, candidates[::-1]):
-        assert PrefixAwarePolicy().rank(request(), order).worker_ids == ["a", "b", "c"]
-        assert LoadPolicy().rank(request(), order).worker_ids == ["a", "b", "c"]
+    first = PrefixAwarePolicy().rank(request(), candidates).worker_ids
+    for order in (candidates[::-1], candidates[1:] + candidates[:1]):
+        assert PrefixAwarePolicy().rank(request(), order).worker_ids == first
+        assert LoadPolicy().rank(request(), order).worker_ids == ["a", "b", "c"]  # decode: by worker id
+
+
+def test_prefill_ties_follow_the_prefix_and_spread_over_workers():
+    policy, idle = PrefixAwarePolicy(), [view(w) for w in "abcd"]
+
+    def first(key: bytes, request_id: str = "r") -> str:
+        return policy.rank(RoutingRequest(request_id, 256, BLOCK, key), idle).best.worker_id
+
+    # the same first block ties the same way, whatever the request
+    assert len({first(b"prefix-1", f"r{i}") for i in range(20)}) == 1
+    # 400 different prefixes: each worker takes about a quarter (no favoured id)
+    counts = Counter(first(f"prefix-{i}".encode()) for i in range(400))
+    assert set(counts) == set("abcd") and min(counts.values()) > 60, counts
 
 
 def test_a_prefix_nobody_holds_goes_to_the_worker_holding_least():
