@@ -178,8 +178,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         for candidate, num_queued in zip(candidates, queued):
             cached = min(candidate.num_cached_blocks, max_cached)
             new = num_tokens - cached * block_size
-            load = candidate.load
-            cold = load.num_free_kv_blocks - load.num_warm_free_kv_blocks - -(-candidate.num_pending_tokens // block_size)
+            load, pending_blocks = candidate.load, -(-candidate.num_pending_tokens // block_size)
+            cold = load.num_free_kv_blocks - load.num_warm_free_kv_blocks - pending_blocks
             evicts = max(0, -(-new // block_size) - max(cold, 0))
             cost = weight * new + num_queued + eviction_weight * evicts
             ranked.append(RankedWorker(candidate.worker_id, cost, cached, new, evicts))

@@ -18,9 +18,7 @@ from baton.services.router import (
 BLOCK = 16
 
 
-def view(
-    worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100, stored=0, warm=0
-):
+def view(worker_id, cached=0, running=0, waiting=0, queued=0, pending=0, pending_tokens=0, free=100, stored=0, warm=0):
     load = WorkerLoad(running, waiting, queued, free, 128, warm)
     return WorkerView(worker_id, load, 0, cached, pending, pending_tokens, stored)
 
