@@ -18,7 +18,7 @@ Measured: token hit rate of the prefix caches (cache-hit prompt tokens / prompt 
 the engine's KV-cache manager finds them when a request starts), load balance (max / mean
 of per-worker busy time, and of requests), and time to first token (queueing + prefill).
 
-  python bench/router_placement.py [--requests 4000] [--rate 60] [--cache-blocks 1536]
+  python bench/router_placement.py [--requests 4000] [--rate 60] [--cache-blocks 1536] [--eviction-weight 1]
 """
 
 from __future__ import annotations
@@ -90,8 +90,14 @@ class SimWorker:
 
     def load(self) -> WorkerLoad:
         queued = sum(len(r.token_ids) for r in self.queue)
+        pool = self.kv.pool
         return WorkerLoad(
-            int(self.running is not None), len(self.queue), queued, self.kv.num_free_blocks, self.kv.pool.num_blocks
+            int(self.running is not None),
+            len(self.queue),
+            queued,
+            pool.num_free_blocks,
+            pool.num_blocks,
+            pool.num_warm_free_blocks,
         )
 
     def take_events(self, due_ms: float) -> None:
@@ -108,12 +114,14 @@ class Simulation:
         self.workers = [
             SimWorker(
                 WorkerInfo(f"p{i}", f"{i + 1:024x}", WorkerRole.PREFILL, "sim", BLOCK_SIZE, 1, f"p{i}"),
-                KVCacheManager(BLOCK_SIZE, args.cache_blocks),
+                KVCacheManager(
+                    BLOCK_SIZE, args.cache_blocks, warm_window_s=args.warm_window_s, clock=lambda: self.now_ms / 1000
+                ),
             )
             for i in range(args.workers)
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.policy = PrefixAwarePolicy(PolicyConfig())
+        self.policy = PrefixAwarePolicy(PolicyConfig(eviction_weight=args.eviction_weight))
         self.round_robin = itertools.cycle(self.workers)
         self.ttft_ms: list[float] = []
         self.router = self._make_router(redis_url) if policy_name == "prefix-aware" else None
@@ -129,7 +137,9 @@ class Simulation:
             )
             return self.by_id[placement.worker_ids[0]]
         views = [self._oracle_view(w, request) for w in self.workers]
-        placement = self.policy.rank(RoutingRequest(request.request_id, len(request.token_ids), BLOCK_SIZE), views)
+        placement = self.policy.rank(
+            RoutingRequest(request.request_id, len(request.token_ids), BLOCK_SIZE, request.block_hashes[0]), views
+        )
         return self.by_id[placement.worker_ids[0]]
 
     def _oracle_view(self, worker: SimWorker, request: SimRequest) -> WorkerView:
@@ -139,7 +149,12 @@ class Simulation:
         return WorkerView(worker.worker_id, worker.load(), 0, cached, 0, 0, len(worker.kv.pool.cached))
 
     def _make_router(self, redis_url: str) -> PrefixRouter:
-        config = RouterConfig(model="sim", block_size=BLOCK_SIZE, redis=RedisConfig(url=redis_url, socket_timeout_s=5))
+        config = RouterConfig(
+            model="sim",
+            block_size=BLOCK_SIZE,
+            redis=RedisConfig(url=redis_url, socket_timeout_s=5),
+            policy=self.policy.config,
+        )
         client = create_redis_client(config.redis)
         client.flushall()
         index = RedisPrefixIndex(client, Keyspace("baton", "sim"), config.index, clock=lambda: int(self.now_ms))
@@ -241,6 +256,8 @@ def main() -> None:
     parser.add_argument("--overhead-ms", type=float, default=2.0)
     parser.add_argument("--event-delay-ms", type=float, default=20.0, help="KV event to Redis latency")
     parser.add_argument("--report-ms", type=float, default=250.0, help="load report interval")
+    parser.add_argument("--warm-window-s", type=float, default=30.0, help="the engine's cache.warm_window_s")
+    parser.add_argument("--eviction-weight", type=float, default=1.0, help="the policy's eviction_weight")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     workload = make_workload(args)
