@@ -3,9 +3,8 @@
 Every rank runs a TCPStore server (its endpoint). It is both the control channel and the
 rendezvous for data groups:
 
-  control   a queue in the prefill rank's store: the decode rank appends a request
-            (`add("q/len")`, then `set("q/<n>")`); the prefill rank's server thread takes
-            them in order
+  control   a queue in the prefill rank's store: the decode rank pushes a request (one
+            one-way message); the prefill rank's server thread pops them in order
   data      one 2-rank process group per (decode rank, prefill rank) pair, built lazily on a
             PrefixStore of the prefill rank's store (prefill = rank 0, decode = rank 1), reused,
             and rebuilt under a new generation after a failure. Its name holds both ends and
@@ -18,6 +17,8 @@ or unpacked):
 
     decode                                   prefill
     request {id, blocks, pair, gen} ----->   claim the lease (refused if it expired)
+    (plans its receive meanwhile: the        post the ack's receive
+     layout follows from the block ids)
     recv header  <-----------------------    header [status, blocks, layout, checksum]
     recv K/V, layer by layer <-----------    send layer by layer (wire_layout.py: slices of the
                                              cache where blocks are consecutive, else gathered)
@@ -51,9 +52,9 @@ logger = logging.getLogger(__name__)
 
 _TAG = 0
 _OK, _EXPIRED = 0, 1
-_QUEUE_LEN = "q/len"
+_QUEUE = "requests"
 _SERVER_WAIT = datetime.timedelta(minutes=5)
-_STOP = b"stop"
+_STOP = "stop"
 
 
 class TransferError(RuntimeError):
@@ -118,7 +119,7 @@ class TorchDistributedConnector(KVConnector):
     def close(self) -> None:
         self._closed.set()
         if self._server is not None:  # wake the server thread from its wait
-            self.store.set(f"q/{self.store.add(_QUEUE_LEN, 1)}", _STOP)
+            self.store.queue_push(_QUEUE, _STOP)
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self._recv_pool.shutdown(wait=False, cancel_futures=True)
         self._groups.clear()
@@ -154,17 +155,22 @@ class TorchDistributedConnector(KVConnector):
             "pair": pair,
             "verify": self.config.verify,
         }
-        slot = store.add(_QUEUE_LEN, 1)
-        store.set(f"q/{slot}", json.dumps(request))
+        store.queue_push(_QUEUE, json.dumps(request))
         group = self._group(pair, store, rank=1)
         header = torch.zeros(4, dtype=torch.int64, device=self.device)
-        group.recv([header], 0, _TAG).wait()
+        header_work = group.recv([header], 0, _TAG)
+        # While the request travels: the sender picks the layout from the same block ids.
+        expected_layout = wire_layout.choose_layout(task.src_block_ids)
+        plan = wire_layout.incoming(self.kv_caches, task.src_block_ids, task.dst_block_ids, expected_layout)
+        header_work.wait()
         status, num_blocks, layout, checksum = header.tolist()
         if status == _EXPIRED:
             raise TransferError("the prefill side's lease expired")
-        if num_blocks != len(task.dst_block_ids):
-            raise TransferError(f"header announces {num_blocks} blocks, expected {len(task.dst_block_ids)}")
-        plan = wire_layout.incoming(self.kv_caches, task.src_block_ids, task.dst_block_ids, layout)
+        if num_blocks != len(task.dst_block_ids) or layout != expected_layout:
+            raise TransferError(
+                f"header announces {num_blocks} blocks in layout {layout}, "
+                f"expected {len(task.dst_block_ids)} in layout {expected_layout}"
+            )
         works = [group.recv([buffer], 0, _TAG) for buffer, _ in plan]  # all posted: messages arrive back to back
         crc = 0
         for (buffer, finish), work in zip(plan, works):
@@ -206,26 +212,17 @@ class TorchDistributedConnector(KVConnector):
     def _serve(self) -> None:
         """Takes requests off this rank's queue, in order, and hands them to the send pool.
 
-        Blocks in the store's `wait` (no polling latency); `close` wakes it with a sentinel.
-        A wait that times out while the queue counter is ahead means a writer died between
-        reserving its slot and writing it: that slot is skipped."""
-        # A connection of its own: a blocking wait holds its connection, and the send threads
+        Blocks in the store's `queue_pop` (no polling latency); `close` wakes it with a sentinel."""
+        # A connection of its own: a blocking pop holds its connection, and the send threads
         # need the store (group rendezvous) meanwhile.
         host, port = self._endpoint.rsplit(":", 1)
         queue = dist.TCPStore(host, int(port), is_master=False, timeout=_SERVER_WAIT)
-        slot = 1
         while not self._closed.is_set():
-            key = f"q/{slot}"
             try:
-                queue.wait([key], _SERVER_WAIT)
-            except Exception:  # timed out (c10d logs a warning): skip a slot nobody will write
-                if queue.add(_QUEUE_LEN, 0) > slot:
-                    slot += 1
+                raw = queue.queue_pop(_QUEUE)
+            except dist.DistStoreError:  # nothing for a while (c10d logs a warning): wait again
                 continue
-            raw = queue.get(key)
-            queue.delete_key(key)
-            slot += 1
-            if raw == _STOP:
+            if raw == _STOP.encode():
                 return
             self._send_pool.submit(self._send, json.loads(raw))
 
@@ -258,11 +255,12 @@ class TorchDistributedConnector(KVConnector):
                     self._lock.notify_all()
 
     def _send_blocks(self, group, blocks: tuple[int, ...] | None, verify: bool, corrupt: bool) -> None:
-        header = torch.zeros(4, dtype=torch.int64, device=self.device)
         if blocks is None:
-            header[0] = _EXPIRED
+            header = torch.tensor([_EXPIRED, 0, 0, 0], dtype=torch.int64, device=self.device)
             group.send([header], 1, _TAG).wait()
             return
+        ack = torch.zeros(1, dtype=torch.int64, device=self.device)
+        ack_work = group.recv([ack], 1, _TAG)  # posted first: the receiver's ack goes out without a wait
         layout = wire_layout.choose_layout(blocks)
         messages = wire_layout.outgoing(self.kv_caches, blocks, layout)
         crc = 0
@@ -270,7 +268,7 @@ class TorchDistributedConnector(KVConnector):
             messages = list(messages)
             for message in messages:
                 crc = zlib.crc32(_bytes(message), crc)
-        header[:] = torch.tensor([_OK, len(blocks), layout, crc])
+        header = torch.tensor([_OK, len(blocks), layout, crc], dtype=torch.int64, device=self.device)
         group.send([header], 1, _TAG).wait()
         works, in_flight = [], []
         for index, message in enumerate(messages):  # packed layers are gathered while earlier ones fly
@@ -281,8 +279,7 @@ class TorchDistributedConnector(KVConnector):
             in_flight.append(message)  # keep each buffer alive until its send completes
         for work in works:
             work.wait()
-        ack = torch.zeros(1, dtype=torch.int64, device=self.device)
-        group.recv([ack], 1, _TAG).wait()
+        ack_work.wait()
 
     def _claim(self, transfer_id: str, requested: list[int]) -> tuple[int, ...] | None:
         """The requested blocks, pinned against release, if the lease still holds them."""

@@ -70,15 +70,19 @@ def incoming(
             plan.append((buffer, _scatter(kv, 1, index, buffer)))
         return plan
     segments = runs(src_block_ids)
+    # Per segment, once for all layers: where its blocks go (first block if consecutive, else an index).
+    targets = []
+    for offset, length in segments:
+        dst = dst_block_ids[offset : offset + length]
+        consecutive = all(b == a + 1 for a, b in zip(dst, dst[1:]))
+        targets.append((dst[0], None) if consecutive else (None, torch.tensor(dst, dtype=torch.long, device=device)))
     for kv in kv_caches:
-        for offset, length in segments:
-            dst = dst_block_ids[offset : offset + length]
+        for (_, length), (first, index) in zip(segments, targets):
             for part in (kv[0], kv[1]):
-                if all(b == dst[0] + i for i, b in enumerate(dst)):
-                    plan.append((part[dst[0] : dst[0] + length], None))
+                if index is None:
+                    plan.append((part[first : first + length], None))
                 else:
                     buffer = part.new_empty((length, *part.shape[1:]))
-                    index = torch.tensor(dst, dtype=torch.long, device=device)
                     plan.append((buffer, _scatter(part, 0, index, buffer)))
     return plan
 
