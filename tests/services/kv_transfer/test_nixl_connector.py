@@ -11,10 +11,9 @@ import pytest
 import torch
 from baton.services.kv_transfer.config import FaultInjection, KVTransferConfig
 from baton.services.kv_transfer.connector import create_connector
-from baton.services.kv_transfer.nixl_connector import load_nixl
 from baton.services.kv_transfer.nixl_layout import CacheLayout, decode_blocks, encode_blocks
-from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams, KVTransferStatus
 
+TRANSPORT = "nixl"  # for conftest.connect
 SHAPE = (2, 40, 4, 2, 8)  # [K/V, blocks, block size, kv heads, head dim]
 
 
@@ -43,44 +42,7 @@ def test_claims_carry_block_ids_as_runs():
     assert decode_blocks(encode_blocks([5, 6, 7, 20, 3])) == (5, 6, 7, 20, 3)
 
 
-@pytest.fixture
-def connect():
-    """Makes a producer and a consumer connector with registered caches; closes them afterwards."""
-    try:
-        load_nixl()
-    except RuntimeError as error:
-        pytest.skip(str(error))
-    made = []
-
-    def make(**settings):
-        config = {"host": "127.0.0.1", "transport": "nixl", "allow_fault_injection": True, **settings}
-        p = create_connector(KVTransferConfig(role="producer", **config), 0, torch.device("cpu"))
-        d = create_connector(KVTransferConfig(role="consumer", **config), 0, torch.device("cpu"))
-        made.extend([p, d])
-        torch.manual_seed(0)
-        p.register_kv_caches([torch.randn(SHAPE) for _ in range(3)])
-        d.register_kv_caches([torch.zeros(SHAPE) for _ in range(3)])
-        return p, d
-
-    yield make
-    for connector in made:
-        connector.close()
-
-
-def receive(p, d, request_id: str, src, dst, transfer_id: str = "t") -> None:
-    params = KVTransferParams(transfer_id, "prefill", (p.endpoint,), tuple(src), 16 * len(src), 16, 1)
-    d.start_recv(KVRecvTask(request_id, params, tuple(src), tuple(dst)))
-
-
-def outcome(connector, timeout_s: float = 10.0) -> KVTransferStatus:
-    deadline = time.monotonic() + timeout_s
-    while connector.has_pending():
-        assert time.monotonic() < deadline, "receive still pending"
-        time.sleep(0.001)
-    return connector.poll()
-
-
-def test_scattered_blocks_arrive_byte_identical_and_verified(connect):
+def test_scattered_blocks_arrive_byte_identical_and_verified(connect, receive, outcome):
     p, d = connect(verify=True)
     src, dst = [5, 6, 7, 8, 20, 21], [30, 2, 3, 4, 9, 10]
     untouched = [kv.clone() for kv in d.kv_caches]
@@ -98,7 +60,7 @@ def test_scattered_blocks_arrive_byte_identical_and_verified(connect):
     assert p.poll().finished_sending == {"t"}
 
 
-def test_claim_for_an_ended_lease_is_refused_at_once(connect):
+def test_claim_for_an_ended_lease_is_refused_at_once(connect, receive, outcome):
     p, d = connect(timeout_s=5.0)
     p.add_leases({"t": (1, 2)})
     p.remove_leases(["t"])
@@ -109,7 +71,7 @@ def test_claim_for_an_ended_lease_is_refused_at_once(connect):
     assert time.monotonic() - start < 2.0
 
 
-def test_claim_waits_for_a_lease_not_announced_yet(connect):
+def test_claim_waits_for_a_lease_not_announced_yet(connect, receive, outcome):
     """The decode may ask before the prefill runner has heard of the lease (one step later)."""
     p, d = connect()
     receive(p, d, "early", [1, 2], [3, 4])
@@ -118,7 +80,7 @@ def test_claim_waits_for_a_lease_not_announced_yet(connect):
     assert outcome(d).finished_recving == {"early"}
 
 
-def test_remove_leases_waits_for_a_reader(connect):
+def test_remove_leases_waits_for_a_reader(connect, receive, outcome):
     p, d = connect()
     p.set_faults(FaultInjection(delay_s=0.4))
     p.add_leases({"t": (1, 2)})
@@ -130,7 +92,7 @@ def test_remove_leases_waits_for_a_reader(connect):
     assert outcome(d).finished_recving == {"r"}
 
 
-def test_close_does_not_hang_with_a_receive_in_flight(connect):
+def test_close_does_not_hang_with_a_receive_in_flight(connect, receive):
     p, d = connect(timeout_s=30.0)
     p.set_faults(FaultInjection(drop=True))
     p.add_leases({"t": (1,)})

@@ -8,45 +8,10 @@ import time
 
 import pytest
 import torch
-from baton.services.kv_transfer.config import FaultInjection, KVTransferConfig
-from baton.services.kv_transfer.connector import create_connector
-from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams, KVTransferStatus
+from baton.services.kv_transfer.config import FaultInjection
 
-SHAPE = (2, 40, 4, 2, 8)  # [K/V, blocks, block size, kv heads, head dim]
+TRANSPORT = "torch"  # for conftest.connect
 BLOCK_BYTES = 4 * 2 * 8 * 4
-
-
-@pytest.fixture
-def connect():
-    """Makes a producer and a consumer connector with registered caches; closes them afterwards."""
-    made = []
-
-    def make(**settings):
-        config = {"host": "127.0.0.1", "transport": "torch", "allow_fault_injection": True, **settings}
-        p = create_connector(KVTransferConfig(role="producer", **config), 0, torch.device("cpu"))
-        d = create_connector(KVTransferConfig(role="consumer", **config), 0, torch.device("cpu"))
-        made.extend([p, d])
-        torch.manual_seed(0)
-        p.register_kv_caches([torch.randn(SHAPE) for _ in range(3)])
-        d.register_kv_caches([torch.zeros(SHAPE) for _ in range(3)])
-        return p, d
-
-    yield make
-    for connector in made:
-        connector.close()
-
-
-def receive(p, d, request_id: str, src, dst, transfer_id: str = "t") -> None:
-    params = KVTransferParams(transfer_id, "prefill", (p.endpoint,), tuple(src), 16 * len(src), 16, 1)
-    d.start_recv(KVRecvTask(request_id, params, tuple(src), tuple(dst)))
-
-
-def outcome(connector, timeout_s: float = 10.0) -> KVTransferStatus:
-    deadline = time.monotonic() + timeout_s
-    while connector.has_pending():
-        assert time.monotonic() < deadline, "receive still pending"
-        time.sleep(0.001)
-    return connector.poll()
 
 
 @pytest.mark.parametrize(
@@ -57,7 +22,7 @@ def outcome(connector, timeout_s: float = 10.0) -> KVTransferStatus:
     ],
     ids=["segmented", "packed"],
 )
-def test_blocks_arrive_byte_identical_and_verified(connect, src, dst):
+def test_blocks_arrive_byte_identical_and_verified(connect, src, dst, receive, outcome):
     p, d = connect(verify=True)
     untouched = [kv.clone() for kv in d.kv_caches]
     p.add_leases({"t": tuple(src)})
@@ -74,7 +39,7 @@ def test_blocks_arrive_byte_identical_and_verified(connect, src, dst):
     assert p.poll().finished_sending == {"t"}
 
 
-def test_request_for_an_ended_lease_is_refused_at_once_and_the_pair_recovers(connect):
+def test_request_for_an_ended_lease_is_refused_at_once_and_the_pair_recovers(connect, receive, outcome):
     p, d = connect(timeout_s=5.0)
     p.add_leases({"t": (1, 2)})
     p.remove_leases(["t"])
@@ -89,7 +54,7 @@ def test_request_for_an_ended_lease_is_refused_at_once_and_the_pair_recovers(con
     assert torch.equal(d.kv_caches[0][:, [3, 4]], p.kv_caches[0][:, [1, 2]])
 
 
-def test_corrupted_transfer_fails_in_verify_mode_and_the_pair_recovers(connect):
+def test_corrupted_transfer_fails_in_verify_mode_and_the_pair_recovers(connect, receive, outcome):
     p, d = connect(verify=True, timeout_s=1.0)
     p.add_leases({"t": (1, 2)})
     p.set_faults(FaultInjection(corrupt=True))
@@ -102,7 +67,7 @@ def test_corrupted_transfer_fails_in_verify_mode_and_the_pair_recovers(connect):
     assert torch.equal(d.kv_caches[2][:, [3, 4]], p.kv_caches[2][:, [1, 2]])
 
 
-def test_close_does_not_hang_with_a_receive_in_flight(connect):
+def test_close_does_not_hang_with_a_receive_in_flight(connect, receive):
     p, d = connect(timeout_s=30.0)
     p.set_faults(FaultInjection(drop=True))
     p.add_leases({"t": (1,)})
