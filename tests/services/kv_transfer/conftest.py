@@ -1,5 +1,6 @@
-"""Connector pairs for the transport tests: `connect` builds a producer and a consumer over the
-test module's `TRANSPORT`, in one process; `receive` and `outcome` drive a transfer."""
+"""Connector pairs for the transport tests: `connect` builds a producer and a consumer over
+`transport` (both transports, unless a test module overrides the fixture), in one process;
+`receive` and `outcome` drive a transfer."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams, KVTra
 CACHE_SHAPE = (2, 40, 4, 2, 8)  # [K/V, blocks, block size, kv heads, head dim], 3 layers
 
 
+@pytest.fixture(params=["torch", "nixl"])
+def transport(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def connect(request):
+def connect(transport):
     """Makes a producer and a consumer connector with registered caches; closes them afterwards."""
-    transport = request.module.TRANSPORT
     if transport == "nixl":
         try:
             load_nixl()
