@@ -48,7 +48,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -68,7 +67,6 @@ logger = logging.getLogger(__name__)
 _RECEIVING_POLL_S = 0.00005  # while this rank awaits a grant or a READ: a short burst
 _ACTIVE_POLL_S = 0.0005  # while receives, claims or leases are live (a prefill rank: usually)
 _IDLE_POLL_S = 0.01
-_NUM_ENDED_REMEMBERED = 4096  # ended leases kept to refuse late claims at once
 
 
 def load_nixl() -> tuple[type, type]:
@@ -137,10 +135,6 @@ class NixlConnector(KVConnector):
         self.kv_caches: list[torch.Tensor] = []
         self._layout: CacheLayout | None = None
         self._registered = None
-        # Shared with the engine thread, under the lock (as are _status and _pending).
-        self._leases: dict[str, tuple[int, ...]] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        self._num_pins: dict[str, int] = {}  # transfer id -> claims holding its blocks
         # The loop thread's own.
         self._recvs: dict[int, _Recv] = {}
         self._claims: dict[tuple[str, int], _Claim] = {}
@@ -162,21 +156,8 @@ class NixlConnector(KVConnector):
         self._call(lambda: self._register(kv_caches))
 
     def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
-        with self._lock:
-            self._leases.update(leases)
+        super().add_leases(leases)
         self._work.put(None)  # wake the loop: claims may be waiting for these
-
-    def remove_leases(self, transfer_ids: list[str]) -> None:
-        deadline = time.monotonic() + self.config.timeout_s
-        with self._lock:
-            for transfer_id in transfer_ids:
-                self._leases.pop(transfer_id, None)
-                self._ended[transfer_id] = None
-            while len(self._ended) > _NUM_ENDED_REMEMBERED:
-                self._ended.popitem(last=False)
-            # Blocks may be reused right after this returns: wait out decodes still reading them.
-            while any(self._num_pins.get(t) for t in transfer_ids) and (left := deadline - time.monotonic()) > 0:
-                self._lock.wait(timeout=left)
 
     def start_recv(self, task: KVRecvTask) -> None:
         with self._lock:
@@ -452,7 +433,8 @@ class NixlConnector(KVConnector):
 
     def _advance_claim(self, key: tuple[str, int], claim: _Claim, now: float) -> None:
         if not claim.is_pinned:
-            is_pinned = self._pin(claim)
+            is_pinned = self._pin(claim.transfer_id, claim.block_ids)
+            claim.is_pinned = bool(is_pinned)
             if is_pinned is None and now <= claim.deadline:
                 return  # the lease is not announced yet
             if not is_pinned:
@@ -466,25 +448,13 @@ class NixlConnector(KVConnector):
             self._grant(claim, now)
         if now > claim.deadline:  # no "done": the decode gave up or died
             del self._claims[key]
-            self._unpin(claim, ok=False)
+            self._unpin(claim.transfer_id, ok=False)
 
     def _refuse(self, key: tuple[str, int], claim: _Claim, reason: str, now: float) -> None:
         del self._claims[key]
         if claim.is_pinned:
-            self._unpin(claim, ok=False)
+            self._unpin(claim.transfer_id, ok=False)
         self._send(claim.peer, {"op": "refused", "claim": claim.claim_id, "reason": reason}, now)
-
-    def _pin(self, claim: _Claim) -> bool | None:
-        """Pins the claimed blocks if the lease holds them; None: the lease is not known yet."""
-        with self._lock:
-            leased = self._leases.get(claim.transfer_id)
-            if leased is None:
-                return False if claim.transfer_id in self._ended else None
-            if not set(claim.block_ids) <= set(leased):
-                return False
-            self._num_pins[claim.transfer_id] = self._num_pins.get(claim.transfer_id, 0) + 1
-            claim.is_pinned = True
-            return True
 
     def _grant(self, claim: _Claim, now: float) -> None:
         crc = None
@@ -498,17 +468,7 @@ class NixlConnector(KVConnector):
     def _on_done(self, peer: str, message: dict) -> None:
         claim = self._claims.pop((peer, message["claim"]), None)
         if claim is not None and claim.is_pinned:
-            self._unpin(claim, ok=bool(message["ok"]))
-
-    def _unpin(self, claim: _Claim, ok: bool) -> None:
-        with self._lock:
-            left = self._num_pins.get(claim.transfer_id, 0) - 1
-            if left > 0:
-                self._num_pins[claim.transfer_id] = left
-            else:
-                self._num_pins.pop(claim.transfer_id, None)
-            (self._status.finished_sending if ok else self._status.failed_sending).add(claim.transfer_id)
-            self._lock.notify_all()
+            self._unpin(claim.transfer_id, ok=bool(message["ok"]))
 
 
 def _free_port() -> int:

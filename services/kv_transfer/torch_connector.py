@@ -73,9 +73,6 @@ class TorchDistributedConnector(KVConnector):
         self._endpoint = f"{host}:{self.store.port}"
         self.kv_caches: list[torch.Tensor] = []
         self._closed = threading.Event()
-        # Sending side: leased blocks, and sends in flight per transfer.
-        self._leases: dict[str, tuple[int, ...]] = {}
-        self._sending: dict[str, int] = {}
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
         # Receiving side.
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
@@ -98,19 +95,6 @@ class TorchDistributedConnector(KVConnector):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
-    def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
-        with self._lock:
-            self._leases.update(leases)
-
-    def remove_leases(self, transfer_ids: list[str]) -> None:
-        deadline = time.monotonic() + self.config.timeout_s
-        with self._lock:
-            for transfer_id in transfer_ids:
-                self._leases.pop(transfer_id, None)
-            # Blocks may be reused right after this returns: wait out sends still reading them.
-            while any(self._sending.get(t) for t in transfer_ids) and time.monotonic() < deadline:
-                self._lock.wait(timeout=0.05)
-
     def start_recv(self, task: KVRecvTask) -> None:
         with self._lock:
             self._pending.add(task.request_id)
@@ -118,6 +102,8 @@ class TorchDistributedConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            self._lock.notify_all()  # claims waiting for a lease give up
         if self._server is not None:  # wake the server thread from its wait
             self.store.queue_push(_QUEUE, _STOP)
         self._send_pool.shutdown(wait=False, cancel_futures=True)
@@ -229,6 +215,7 @@ class TorchDistributedConnector(KVConnector):
     def _send(self, request: dict) -> None:
         transfer_id, pair = request["transfer_id"], request["pair"]
         blocks = self._claim(transfer_id, request["blocks"])
+        ok = False
         try:
             with self._pair_lock(pair):
                 faults = self.faults
@@ -239,20 +226,14 @@ class TorchDistributedConnector(KVConnector):
                 group = self._group(pair, self.store, rank=0)
                 self._drop_older_generations(pair)
                 self._send_blocks(group, blocks, request["verify"], faults.corrupt)
-            with self._lock:
-                if blocks is not None:
-                    self._status.finished_sending.add(transfer_id)
+            ok = True
         except Exception as error:
             logger.warning("KV transfer %s to %s failed: %s", transfer_id, pair, error)
             with self._lock:
                 self._groups.pop(pair, None)
-                if blocks is not None:
-                    self._status.failed_sending.add(transfer_id)
         finally:
             if blocks is not None:
-                with self._lock:
-                    self._sending[transfer_id] -= 1
-                    self._lock.notify_all()
+                self._unpin(transfer_id, ok)
 
     def _send_blocks(self, group, blocks: tuple[int, ...] | None, verify: bool, corrupt: bool) -> None:
         if blocks is None:
@@ -282,13 +263,15 @@ class TorchDistributedConnector(KVConnector):
         ack_work.wait()
 
     def _claim(self, transfer_id: str, requested: list[int]) -> tuple[int, ...] | None:
-        """The requested blocks, pinned against release, if the lease still holds them."""
+        """The requested blocks, pinned against release; None: refused. A lease not announced
+        yet is waited for, up to the timeout (the decode side waits as long for the header)."""
+        deadline = time.monotonic() + self.config.timeout_s
         with self._lock:
-            leased = self._leases.get(transfer_id)
-            if leased is None or not set(requested) <= set(leased):
-                return None
-            self._sending[transfer_id] = self._sending.get(transfer_id, 0) + 1
-            return tuple(requested)
+            while (pinned := self._pin(transfer_id, requested)) is None and not self._closed.is_set():
+                if (left := deadline - time.monotonic()) <= 0:
+                    break
+                self._lock.wait(timeout=left)
+        return tuple(requested) if pinned else None
 
     def _drop_older_generations(self, pair: str) -> None:
         prefix, _, generation = pair.rpartition("/")

@@ -54,6 +54,29 @@ def test_request_for_an_ended_lease_is_refused_at_once_and_the_pair_recovers(con
     assert torch.equal(d.kv_caches[0][:, [3, 4]], p.kv_caches[0][:, [1, 2]])
 
 
+def test_a_request_before_its_lease_is_announced_waits_for_it(connect, receive, outcome):
+    """The decode side may ask before the prefill engine has told its connector about the
+    lease (it does at its next step, while the first token is already on its way)."""
+    p, d = connect()
+    receive(p, d, "early", [1, 2], [3, 4])
+    time.sleep(0.3)
+    p.add_leases({"t": (1, 2)})
+    assert outcome(d).finished_recving == {"early"}
+    assert torch.equal(d.kv_caches[1][:, [3, 4]], p.kv_caches[1][:, [1, 2]])
+
+
+def test_remove_leases_waits_for_a_send_in_flight(connect, receive, outcome):
+    p, d = connect()
+    p.set_faults(FaultInjection(delay_s=0.4))
+    p.add_leases({"t": (1, 2)})
+    receive(p, d, "r", [1, 2], [3, 4])
+    time.sleep(0.2)  # claimed and pinned, the blocks not sent yet
+    start = time.monotonic()
+    p.remove_leases(["t"])
+    assert time.monotonic() - start > 0.1  # held until the send ended
+    assert outcome(d).finished_recving == {"r"}
+
+
 def test_close_does_not_hang_with_a_receive_in_flight(connect, receive):
     p, d = connect(timeout_s=30.0)
     p.set_faults(FaultInjection(drop=True))
