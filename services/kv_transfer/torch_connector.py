@@ -16,7 +16,8 @@ One transfer, pipelined layer by layer (the next layer is in flight while one is
 or unpacked):
 
     decode                                   prefill
-    request {id, blocks, pair, gen} ----->   claim the lease (refused if it expired)
+    request {id, blocks, pair, gen} ----->   claim the lease (refused if it ended; waited
+                                             for if not announced yet)
     (plans its receive meanwhile: the        post the ack's receive
      layout follows from the block ids)
     recv header  <-----------------------    header [status, blocks, layout, checksum]
