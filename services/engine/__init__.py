@@ -17,7 +17,7 @@ _EXPORTS = {
     "LLM": ".llm",
     "AsyncLLM": ".async_llm",
     "EngineCore": ".engine_core",
-    "EngineStats": ".engine_core",
+    "EngineStats": ".stats",
     "EngineConfig": ".config",
     "ModelConfig": ".config",
     "CacheConfig": ".config",
@@ -67,8 +67,9 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from .async_llm import AsyncLLM
     from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
-    from .engine_core import EngineCore, EngineStats
+    from .engine_core import EngineCore
     from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
     from .llm import LLM
     from .outputs import CompletionOutput, Logprob, RequestOutput
     from .sampling_params import RequestOutputKind, SamplingParams
+    from .stats import EngineStats

@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .config import EngineConfig
-from .engine_core import EngineCore, EngineStats
+from .engine_core import EngineCore
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_events import KVEventPublisher
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,6 +34,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
 from .tokenizer import load_tokenizer
 
@@ -47,29 +48,6 @@ class _Member:
     user_id: str
     index: int  # sample index (n > 1); unused for prefix and beam members
     kind: str  # "sample" | "prefix" (n > 1 shared prompt) | "beam"
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_prefill_tokens: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which were found
-    num_warm_free_kv_blocks: int = 0  # free blocks whose cached prefix was used within cache.warm_window_s
-    num_kv_leases: int = 0  # prefill side: prompts held for decode workers
-    num_kv_receiving: int = 0  # decode side: prompts whose K/V is in flight
-    kv_recv_ok: int = 0
-    kv_recv_failed: int = 0  # each one recomputed locally
-    kv_leases_expired: int = 0
-    kv_bytes_received: int = 0
-    kv_recv_seconds: float = 0.0
-    step_seconds: float = 0.0  # mean over the last steps
-    model_flops_utilization: float = 0.0  # MFU over the last steps (0: device peak unknown)
-    memory_bandwidth_utilization: float = 0.0  # MBU over the last steps
 
 
 class EngineCore:

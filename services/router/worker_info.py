@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine core pulls in torch; the router only needs the type
-    from ..engine.engine_core import EngineStats
+    from ..engine.stats import EngineStats
 
 _NAME = re.compile(r"[^\s@{}]+")
 _EPOCH = re.compile(r"[0-9a-f]{24}")

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 
 from ..engine.async_llm import AsyncLLM
 from ..engine.config import EngineConfig
-from ..engine.engine_core import EngineStats
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import RequestOutputKind
+from ..engine.stats import EngineStats
 from ..metrics import EngineMetrics
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
