@@ -178,8 +178,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         for candidate, num_queued in zip(candidates, queued):
             cached = min(candidate.num_cached_blocks, max_cached)
             new = num_tokens - cached * block_size
-            load, pending_blocks = candidate.load, -(-candidate.num_pending_tokens // block_size)
-            cold = load.num_free_kv_blocks - load.num_warm_free_kv_blocks - pending_blocks
+            cold = candidate.num_free_blocks(block_size) - candidate.load.num_warm_free_kv_blocks
             evicts = max(0, -(-new // block_size) - max(cold, 0))
             cost = weight * new + num_queued + eviction_weight * evicts
             ranked.append(RankedWorker(candidate.worker_id, cost, cached, new, evicts))
@@ -207,8 +206,7 @@ class LoadPolicy(RoutingPolicy):
         num_blocks_needed = request.num_prompt_tokens // request.block_size + 1
 
         def key(c: WorkerView) -> tuple:
-            # Placements newer than the load report will take blocks the report still shows free.
-            free = c.load.num_free_kv_blocks - -(-c.num_pending_tokens // request.block_size)
+            free = c.num_free_blocks(request.block_size)
             return (free < num_blocks_needed, c.num_requests, -free, c.worker_id)
 
         ordered = sorted(candidates, key=key)

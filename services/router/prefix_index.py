@@ -95,6 +95,10 @@ class WorkerView:
     def num_queued_tokens(self) -> int:
         return self.load.num_waiting_prefill_tokens + self.num_pending_tokens
 
+    def num_free_blocks(self, block_size: int) -> int:
+        """Its reported free KV blocks, less those the placements newer than the report take."""
+        return self.load.num_free_kv_blocks - -(-self.num_pending_tokens // block_size)
+
 
 @functools.lru_cache(maxsize=4096)
 def checkpoint_positions(num_blocks: int) -> tuple[int, ...]:
