@@ -122,6 +122,24 @@ def test_speculative_entries_count_until_they_expire_or_are_removed(setup):
     assert index.cached_blocks(a) == set(HASHES[:2])  # speculative entries are never "confirmed"
 
 
+def test_a_clear_or_a_snapshot_drops_only_that_workers_predictions(setup):
+    index, _, _ = setup
+    a, b = registered(index, "a").worker_id, registered(index, "b").worker_id
+
+    def credited():
+        return {v.worker_id: v.num_cached_blocks for v in index.query("prefill", HASHES)}
+
+    for worker_id in (a, b):
+        index.record_placement(worker_id, HASHES, num_new_tokens=40)
+    assert credited() == {a: 10, b: 10}
+    index.apply_events(a, [AllBlocksCleared(0)])
+    assert credited() == {a: 0, b: 10}
+    index.record_placement(a, HASHES[:3], num_new_tokens=12)  # a new prediction after the clear counts
+    assert credited() == {a: 3, b: 10}
+    assert index.replace_blocks(b, KVCacheSnapshot(0, frozenset(HASHES[:2])))
+    assert credited() == {a: 3, b: 2}
+
+
 def test_a_placement_is_predicted_at_its_checkpoints(setup):
     index, _, _ = setup
     a = registered(index, "a").worker_id
