@@ -21,5 +21,9 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir=FOLDERS,
-    package_data={"baton.v1": ["*.proto", "*.desc"], "baton.services": ["**/*.jinja", "**/*.json"]},
+    package_data={
+        "baton.v1": ["*.proto", "*.desc"],
+        "baton.services": ["**/*.jinja", "**/*.json"],
+        "baton.kernels": ["csrc/*.cpp"],
+    },
 )

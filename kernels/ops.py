@@ -1,8 +1,10 @@
 """The one dispatch module the engine calls: Triton kernels on CUDA, references on CPU.
 
-Every op takes `impl`: "auto" picks Triton for CUDA tensors and the torch reference
-otherwise; "triton" forces the Triton kernel (on CPU only under TRITON_INTERPRET=1, which
-the tests use); "torch" forces the reference.
+Every op takes `impl`: "auto" picks Triton for CUDA tensors; on the CPU, the C++ kernel
+where one exists and builds (cpu_ops.py), else the torch reference. "triton" forces the
+Triton kernel (on CPU only under TRITON_INTERPRET=1, which the tests use); "cpp" forces the
+C++ kernel of an op that has one (decode attention), raising if it cannot be built; "torch"
+forces the reference.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from typing import Literal
 
 import torch
 
-from . import reference
+from . import cpu_ops, reference
 
-KernelImpl = Literal["auto", "torch", "triton"]
+KernelImpl = Literal["auto", "torch", "triton", "cpp"]
 
 
 def use_triton(impl: KernelImpl, tensor: torch.Tensor) -> bool:
@@ -22,6 +24,12 @@ def use_triton(impl: KernelImpl, tensor: torch.Tensor) -> bool:
     if impl == "triton":
         return True
     return tensor.is_cuda
+
+
+def use_cpp(impl: KernelImpl, tensor: torch.Tensor) -> bool:
+    if impl == "cpp":
+        return True
+    return impl == "auto" and tensor.device.type == "cpu" and cpu_ops.available()
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl: KernelImpl = "auto"):
@@ -47,6 +55,8 @@ def paged_decode_attention(
         from .paged_decode_attention import paged_decode_attention
 
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+    if use_cpp(impl, query):
+        return cpu_ops.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
     return reference.paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 

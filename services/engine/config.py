@@ -87,8 +87,10 @@ class RunnerConfig(BaseModel):
     model_config = _FROZEN
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
-    kernel_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="Attention/norm/RoPE kernels. auto: Triton on CUDA, torch reference on CPU"
+    kernel_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
+        "auto",
+        description="Attention/norm/RoPE kernels. auto: Triton on CUDA; on CPU the C++ decode attention "
+        "kernel (built on first use; the torch reference where it cannot be built) and torch references",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
     peak_tflops: float | None = Field(

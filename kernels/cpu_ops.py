@@ -1,0 +1,100 @@
+"""C++ kernels for the CPU (kernels/csrc), built on first use.
+
+`torch.utils.cpp_extension` compiles them with the machine's C++ compiler for the machine's
+own CPU (-march=native) into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions), once per source change; other processes load the built library,
+and a file lock keeps concurrent builds apart. The first build takes about 20 s.
+
+Where no compiler is found or the build fails, `available()` is False, a warning says why
+(once per process), and `ops` falls back to the torch references; BATON_CPU_KERNELS=0 turns
+the kernels off on purpose. ops.py's `impl="cpp"` asks for them and raises if they cannot
+be built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "cpu_paged_decode_attention.cpp"]
+# -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
+# online softmax starts from -inf), hence -fno-finite-math-only.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+ENV_SWITCH = "BATON_CPU_KERNELS"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "error": str
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    pass
+
+
+def available() -> bool:
+    """Builds (or loads) the kernels on the first call; False when they cannot be had."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                _build()
+    return bool(_state["ok"])
+
+
+def require() -> None:
+    if not available():
+        raise CpuKernelsUnavailable(f"Baton's CPU kernels are unavailable: {_state['error']}")
+
+
+def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    """[R, H, D] queries against their paged contexts (see the .cpp file)."""
+    require()
+    return torch.ops.baton_cpu.paged_decode_attention(
+        query.contiguous(),
+        key_cache.contiguous(),
+        value_cache.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+    )
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package (a dependency) puts it beside the venv's
+    Python, which is not on PATH when the interpreter is called by its full path."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _build() -> None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _state.update(ok=False, error=f"turned off by {ENV_SWITCH}=0")
+        return
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_ninja_on_path()
+        load(
+            name="baton_cpu_kernels",
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: the references still work
+        last_line = (str(e).strip().splitlines() or [""])[-1]  # a compiler's last line says why
+        error = f"{type(e).__name__}: {last_line}"
+        _state.update(ok=False, error=error)
+        logger.warning("Baton's CPU kernels could not be built (%s); using the torch reference kernels", error)
+        return
+    _state.update(ok=True, error="")

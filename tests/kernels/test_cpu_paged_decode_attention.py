@@ -1,0 +1,94 @@
+"""The C++ CPU decode attention (kernels/csrc) against `paged_decode_attention_ref`, and how
+`ops` picks it or falls back to the reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from baton.kernels import cpu_ops, ops
+from baton.kernels.reference import paged_decode_attention_ref
+from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
+
+
+def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype):
+    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype).cpu()  # a strided view
+    scale = head_dim**-0.5
+    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu(), ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    out = cpu_ops.paged_decode_attention(query, *caches, scale)
+    expected = paged_decode_attention_ref(query.float(), *ctx.reference_inputs(), scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    check(out, expected)
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI machines have a compiler: the fallback must not hide a broken build there."""
+    assert cpu_ops.available(), cpu_ops._state.get("error")
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")  # 48: the generic path
+def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+    seq_lens = [1, 7, block_size, block_size + 3, 3 * block_size - 1, 100, 301]
+    run_and_check(paged_context, heads_view, check, seq_lens, 2, group, head_dim, block_size, dtype)
+
+
+def test_float16(paged_context, heads_view, check):
+    run_and_check(paged_context, heads_view, check, [1, 40, 300], 2, 4, 64, 16, torch.float16)
+
+
+def test_auto_picks_the_kernel_on_cpu(monkeypatch, paged_context, heads_view):
+    ctx = paged_context([5, 40], 2, 64, 16, torch.float32)
+    query = heads_view(2, 4, 64, torch.float32).cpu()
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu(), ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    ops.paged_decode_attention(query, *caches, 0.125)
+    assert calls == [1]
+    ops.paged_decode_attention(query, *caches, 0.125, impl="torch")
+    assert calls == [1]
+
+
+def test_a_failed_build_falls_back_to_the_reference(monkeypatch, caplog, paged_context, heads_view, check):
+    def broken_load(**kwargs):
+        raise RuntimeError("Error building extension 'baton_cpu_kernels'\nc++: not found")
+
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken_load)
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert not cpu_ops.available()
+    assert "could not be built (RuntimeError: c++: not found)" in caplog.text
+    ctx = paged_context([5, 40], 2, 64, 16, torch.float32)
+    query = heads_view(2, 4, 64, torch.float32).cpu()
+    caches = ctx.reference_inputs()  # the reference needs finite values past each context
+    check(ops.paged_decode_attention(query, *caches, 0.125), paged_decode_attention_ref(query, *caches, 0.125))
+    with pytest.raises(cpu_ops.CpuKernelsUnavailable, match="c\\+\\+: not found"):
+        ops.paged_decode_attention(query, *caches, 0.125, impl="cpp")
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    assert not cpu_ops.available()
+    with pytest.raises(cpu_ops.CpuKernelsUnavailable, match="BATON_CPU_KERNELS=0"):
+        cpu_ops.require()
+
+
+def test_bad_inputs_are_named(paged_context, heads_view):
+    ctx = paged_context([5], 2, 64, 16, torch.float32)
+    query = heads_view(1, 4, 64, torch.float32).cpu()
+    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu()
+    tables = ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    with pytest.raises(RuntimeError, match="query and caches must share a dtype"):
+        cpu_ops.paged_decode_attention(query.bfloat16(), *caches, *tables, 0.1)
+    with pytest.raises(RuntimeError, match="3 query heads do not divide into 2 KV heads"):
+        cpu_ops.paged_decode_attention(heads_view(1, 3, 64, torch.float32).cpu(), *caches, *tables, 0.1)
+    with pytest.raises(RuntimeError, match="query head size 32 != cache head size 64"):
+        cpu_ops.paged_decode_attention(heads_view(1, 4, 32, torch.float32).cpu(), *caches, *tables, 0.1)
+    with pytest.raises(RuntimeError, match="one row per request"):
+        cpu_ops.paged_decode_attention(heads_view(2, 4, 64, torch.float32).cpu(), *caches, *tables, 0.1)
