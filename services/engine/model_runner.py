@@ -19,6 +19,7 @@ from baton.kernels.ops import KernelImpl
 from ..kv_transfer.connector import KVConnector
 from ..model.attention import AttentionMetadata, PagedAttentionBackend
 from ..model.config import ModelArch
+from ..model.linear import process_weights_after_loading
 from ..model.loader import load_weights
 from ..model.parallel import TPGroup
 from ..model.registry import create_model
@@ -70,6 +71,7 @@ class ModelRunner:
         backend = PagedAttentionBackend(kernel_impl)
         self.model = create_model(arch, backend, tp, dtype, device, kernel_impl)
         load_weights(self.model, model_dir)
+        process_weights_after_loading(self.model, kernel_impl)
         self.model.eval()
         self.sampler = Sampler(arch.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}

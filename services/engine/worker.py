@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..kv_transfer.connector import KVConnector, create_connector
 from ..model.config import ModelArch
+from ..model.linear import dense_weight
 from ..model.parallel import TPGroup, backend_for_device
 from .config import EngineConfig
 from .cpu_tuning import tune_malloc_for_cpu_inference
@@ -102,7 +103,7 @@ class Worker:
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, on the CPU (for inspection and tests)."""
-        return {name: p.detach().cpu() for name, p in self.runner.model.named_parameters()}
+        return {name: dense_weight(p.detach()).cpu() for name, p in self.runner.model.named_parameters()}
 
     def shutdown(self) -> None:
         if self.connector is not None:

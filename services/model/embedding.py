@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import _param
+from .linear import _param, linear, pack_weight_for_cpu
 from .parallel import TPGroup
 from .weights import LoadedWeight, copy_into, narrow, shape_of
 
@@ -43,11 +43,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T, each rank computing its vocabulary slice, gathered along vocab."""
 
+    packed_weight: torch.Tensor | None = None  # the weight repacked for oneDNN (linear.py)
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_for_cpu(self) -> bool:
+        """A repacked copy: the weight itself stays dense for the embedding it may be tied to."""
+        self.packed_weight = pack_weight_for_cpu(self.weight)
+        return self.packed_weight is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
 

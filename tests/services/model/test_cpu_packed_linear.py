@@ -1,0 +1,72 @@
+"""oneDNN-packed linear weights on the CPU (services/model/linear.py): what gets packed, and
+that the packed model computes what the dense one does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.services.engine import LLM, SamplingParams
+from baton.services.model.linear import dense_weight, linear, pack_weight_for_cpu
+
+PROMPTS = ["def foo(x):", "The quick brown fox jumps over the lazy dog because", "Hello"]
+
+
+def runner(model_dir, kernel_backend: str):
+    llm = LLM(model=str(model_dir), kernel_backend=kernel_backend, num_kv_blocks=64, dtype="float32")
+    return llm, llm.engine.executor.worker.runner
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_equals_f_linear(rows):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    packed = pack_weight_for_cpu(weight)
+    assert packed is not None and packed.layout == torch._mkldnn
+    torch.testing.assert_close(linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(linear(x[:, ::2].repeat(1, 2), packed), x[:, ::2].repeat(1, 2) @ weight.T)  # strided x
+    assert torch.equal(dense_weight(packed), weight)
+
+
+def test_only_float32_cpu_weights_are_packed():
+    assert pack_weight_for_cpu(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert pack_weight_for_cpu(torch.randn(8, 8, dtype=torch.float16)) is None
+
+
+def test_the_engine_packs_every_linear_and_keeps_the_tied_embedding_dense(qwen3_dir):
+    _, packed_runner = runner(qwen3_dir, "auto")
+    model = packed_runner.model
+    layer = model.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert module.weight.layout == torch._mkldnn
+    assert model.lm_head.packed_weight is not None
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # qwen3 ties them
+    assert model.model.embed_tokens.weight.layout == torch.strided
+
+
+def test_the_torch_backend_keeps_dense_weights_and_both_give_the_same_logits(llama_dir):
+    _, dense_runner = runner(llama_dir, "torch")
+    _, packed_runner = runner(llama_dir, "auto")
+    assert dense_runner.model.model.layers[0].mlp.down_proj.weight.layout == torch.strided
+    assert dense_runner.model.lm_head.packed_weight is None
+    hidden = torch.randn(5, dense_runner.arch.hidden_size)
+    torch.testing.assert_close(
+        packed_runner.model.compute_logits(hidden), dense_runner.model.compute_logits(hidden), atol=1e-4, rtol=1e-4
+    )
+    down = packed_runner.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, down.input_size_per_rank)
+    torch.testing.assert_close(down(x), dense_runner.model.model.layers[0].mlp.down_proj(x), atol=1e-4, rtol=1e-4)
+
+
+def test_worker_parameters_read_back_dense(llama_dir):
+    llm, packed_runner = runner(llama_dir, "auto")
+    params = llm.engine.executor.worker.named_parameters()
+    weight = params["model.layers.0.mlp.down_proj.weight"]
+    assert weight.layout == torch.strided
+    assert torch.equal(weight, dense_weight(packed_runner.model.model.layers[0].mlp.down_proj.weight))
+
+
+def test_packed_and_dense_engines_generate_the_same(llama_dir):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = [runner(llama_dir, backend)[0].generate(PROMPTS, params) for backend in ("torch", "auto")]
+    assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
