@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from baton.kernels import cpu_ops
 from baton.kernels.ops import KernelImpl
 
 from ..kv_transfer.connector import KVConnector
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.tp = tp
+        _prepare_cpu_kernels(kernel_impl, device)
         backend = PagedAttentionBackend(kernel_impl)
         self.model = create_model(arch, backend, tp, dtype, device, kernel_impl)
         load_weights(self.model, model_dir)
@@ -232,3 +234,14 @@ class ModelRunner:
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
         )
+
+
+def _prepare_cpu_kernels(kernel_impl: KernelImpl, device: torch.device) -> None:
+    """Builds the C++ CPU kernels at start-up rather than in the first decode step; "cpp"
+    fails here, with the reason, where they cannot be had."""
+    if kernel_impl == "cpp":
+        if device.type != "cpu":
+            raise ValueError(f"kernel_backend 'cpp' runs on the CPU; this engine's device is {device.type}")
+        cpu_ops.require()
+    elif kernel_impl == "auto" and device.type == "cpu":
+        cpu_ops.available()

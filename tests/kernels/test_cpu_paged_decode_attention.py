@@ -92,3 +92,17 @@ def test_bad_inputs_are_named(paged_context, heads_view):
         cpu_ops.paged_decode_attention(heads_view(1, 4, 32, torch.float32).cpu(), *caches, *tables, 0.1)
     with pytest.raises(RuntimeError, match="one row per request"):
         cpu_ops.paged_decode_attention(heads_view(2, 4, 64, torch.float32).cpu(), *caches, *tables, 0.1)
+
+
+def test_the_cpp_backend_is_checked_when_the_engine_starts(monkeypatch, llama_dir):
+    from baton.services.engine import LLM
+    from baton.services.engine.model_runner import _prepare_cpu_kernels
+
+    with pytest.raises(ValueError, match="kernel_backend 'cpp' runs on the CPU"):
+        _prepare_cpu_kernels("cpp", torch.device("cuda"))
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    with pytest.raises(cpu_ops.CpuKernelsUnavailable, match="BATON_CPU_KERNELS=0"):
+        LLM(model=str(llama_dir), kernel_backend="cpp", num_kv_blocks=16)
+    llm = LLM(model=str(llama_dir), num_kv_blocks=16)  # auto: the reference, and it still generates
+    assert len(llm.generate(["Hello"])[0].token_ids) > 0
