@@ -89,8 +89,9 @@ class RunnerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
     kernel_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
         "auto",
-        description="Attention/norm/RoPE kernels. auto: Triton on CUDA; on CPU the C++ decode attention "
-        "kernel (built on first use; the torch reference where it cannot be built) and torch references",
+        description="Kernels. auto: Triton on CUDA; on CPU oneDNN-packed float32 linear weights and the C++ "
+        "decode attention (built at start-up; the torch reference where it cannot be built). cpp: as auto on "
+        "CPU, but failing at start-up without the C++ kernel. torch: torch references and F.linear throughout",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
     peak_tflops: float | None = Field(
