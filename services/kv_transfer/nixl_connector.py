@@ -19,6 +19,14 @@ are NIXL notifications (small JSON documents between agents):
     check the crc32 (verify mode)
     done {claim, ok} ------------------------->   unpin: finished_sending (ok) or failed_sending
 
+Early READ: once a prefill rank's cache layout is known (from its first grant), the decode
+side posts the READ as it sends the claim instead of after the grant, taking the grant's
+round trip (up to the prefill loop's half-millisecond poll) off the handover. The data
+counts only when the grant arrives: a grant means the claim pinned a live lease, and a
+lease is taken when its request finishes and never revives once ended, so the blocks held
+the finished prompt, unfreed, for the whole READ. A refusal cancels the READ and the
+receive fails (the engine recomputes), as before.
+
 Every wait has a deadline. The decode side gives up `timeout_s` after `start_recv`: it
 cancels its READ, sends done {ok: false} and reports failed_recving (its engine recomputes).
 The prefill side unpins a claim that got no "done" within `timeout_s` (a decode that died)
@@ -95,6 +103,8 @@ class _Recv:
     stage: str = "connecting"
     handle: Any = None  # the READ, while it runs
     checksum: int | None = None  # announced by the grant (verify mode)
+    granted: bool = False
+    read_done: bool = False
 
 
 @dataclass(slots=True)
@@ -139,6 +149,7 @@ class NixlConnector(KVConnector):
         self._recvs: dict[int, _Recv] = {}
         self._claims: dict[tuple[str, int], _Claim] = {}
         self._peers: set[str] = set()  # agents whose metadata was asked for
+        self._layouts: dict[str, CacheLayout] = {}  # prefill agents' cache layouts, from their grants
         self._outbox: list[tuple[str, bytes, float]] = []
         self._claim_ids = itertools.count(1)
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -321,10 +332,13 @@ class NixlConnector(KVConnector):
                     }
                     self._send(recv.peer, claim, now)
                     recv.stage = "claimed"
-                elif recv.stage == "reading":
+                    if recv.peer in self._layouts:  # an early READ (module docstring)
+                        self._flush_outbox(now)  # the claim first: a READ may run to its end in the call
+                        self._start_read(recv, self._layouts[recv.peer])
+                elif recv.stage == "reading" and recv.handle is not None:
                     state = self._agent.check_xfer_state(recv.handle)
                     if state == "DONE":
-                        self._finish(recv, now)
+                        self._read_done(recv, now)
                         continue
                     if state == "ERR":
                         raise TransferError("the READ failed")
@@ -335,12 +349,21 @@ class NixlConnector(KVConnector):
 
     def _on_grant(self, peer: str, message: dict) -> None:
         recv = self._recvs.get(message["claim"])
-        if recv is None or recv.peer != peer or recv.stage != "claimed":  # given up: let it unpin
+        if recv is None or recv.peer != peer or recv.stage not in ("claimed", "reading") or recv.granted:
             self._send(peer, {"op": "done", "claim": message["claim"], "ok": False}, time.monotonic())
-            return
+            return  # given up: let it unpin
         try:
             recv.checksum = message.get("checksum")
-            self._start_read(recv, CacheLayout.from_message(message["layout"]))
+            recv.granted = True
+            layout = CacheLayout.from_message(message["layout"])
+            early = self._layouts.get(peer)
+            self._layouts[peer] = layout
+            if recv.stage == "claimed":
+                self._start_read(recv, layout)
+            elif layout != early:
+                raise TransferError("the prefill rank's cache layout changed under an early READ")
+            elif recv.read_done:
+                self._finish(recv, time.monotonic())
         except Exception as error:
             self._fail(recv, error)
 
@@ -352,7 +375,7 @@ class NixlConnector(KVConnector):
         segments = runs(src, dst)  # runs consecutive on both sides: one descriptor each
         recv.stage = "reading"
         if not segments:
-            self._finish(recv, time.monotonic())
+            self._read_done(recv, time.monotonic())
             return
         agent = self._agent
         local_descs = agent.get_xfer_descs(local.descriptors([(dst[i], n) for i, n in segments]), local.mem_type)
@@ -362,10 +385,16 @@ class NixlConnector(KVConnector):
         if state == "ERR":
             raise TransferError("posting the READ failed")
         if state == "DONE":
-            self._finish(recv, time.monotonic())
+            self._read_done(recv, time.monotonic())
+
+    def _read_done(self, recv: _Recv, now: float) -> None:
+        self._release(recv)
+        recv.read_done = True
+        if recv.granted:
+            self._finish(recv, now)
 
     def _finish(self, recv: _Recv, now: float) -> None:
-        self._release(recv)
+        """The READ is done and the grant is in."""
         dst = recv.task.dst_block_ids
         if recv.checksum is not None:
             crc = checksum(self.kv_caches, dst)
@@ -381,8 +410,8 @@ class NixlConnector(KVConnector):
 
     def _on_refused(self, peer: str, message: dict) -> None:
         recv = self._recvs.get(message["claim"])
-        if recv is not None and recv.peer == peer and recv.stage == "claimed":
-            recv.stage = "refused"  # nothing pinned over there: no "done" owed
+        if recv is not None and recv.peer == peer and recv.stage in ("claimed", "reading") and not recv.granted:
+            recv.stage = "refused"  # nothing pinned over there: no "done" owed (an early READ is cancelled)
             self._fail(recv, TransferError(message.get("reason", "refused")))
 
     def _fail(self, recv: _Recv, error: Exception) -> None:
