@@ -47,19 +47,33 @@ def test_claims_carry_block_ids_as_runs():
     assert decode_blocks(encode_blocks([5, 6, 7, 20, 3])) == (5, 6, 7, 20, 3)
 
 
-def _first_round(p, d, receive, outcome):
-    """One handover, so the consumer knows the producer's cache layout from its grant."""
-    p.add_leases({"t0": (1, 2)})
-    receive(p, d, "r0", [1, 2], [3, 4], transfer_id="t0")
-    assert outcome(d).finished_recving == {"r0"}
+@pytest.fixture
+def known_pair(connect, receive, outcome):
+    """connect(**settings), then one handover: the consumer knows the producer's cache
+    layout from that grant, so its next READs start early."""
+
+    def make(**settings):
+        p, d = connect(**settings)
+        p.add_leases({"t0": (1, 2)})
+        receive(p, d, "r0", [1, 2], [3, 4], transfer_id="t0")
+        assert outcome(d).finished_recving == {"r0"}
+        return p, d
+
+    return make
 
 
-def test_a_known_producer_is_read_before_its_grant_which_still_decides(connect, receive, outcome):
-    p, d = connect(verify=True)
-    _first_round(p, d, receive, outcome)
+def lease_and_receive(p, d, receive, request_id="r", transfer_id="t", ended=False):
+    """Blocks 5, 6 of the producer into 7, 8 of the consumer; `ended`: the lease ends first."""
+    p.add_leases({transfer_id: (5, 6)})
+    if ended:
+        p.remove_leases([transfer_id])
+    receive(p, d, request_id, [5, 6], [7, 8], transfer_id=transfer_id)
+
+
+def test_a_known_producer_is_read_before_its_grant_which_still_decides(known_pair, receive, outcome):
+    p, d = known_pair(verify=True)
     p.set_faults(FaultInjection(delay_s=0.5))
-    p.add_leases({"t": (5, 6)})
-    receive(p, d, "r", [5, 6], [7, 8])
+    lease_and_receive(p, d, receive)
     time.sleep(0.25)  # the grant is held back; the READ is not
     assert torch.equal(d.kv_caches[2][:, [7, 8]], p.kv_caches[2][:, [5, 6]])
     assert d.has_pending()
@@ -67,33 +81,25 @@ def test_a_known_producer_is_read_before_its_grant_which_still_decides(connect, 
     assert status.finished_recving == {"r"} and not status.failed_recving
 
 
-def test_an_early_read_of_an_ended_lease_fails_on_the_refusal(connect, receive, outcome):
-    p, d = connect(timeout_s=5.0)
-    _first_round(p, d, receive, outcome)
-    p.add_leases({"t": (5, 6)})
-    p.remove_leases(["t"])
-    receive(p, d, "late", [5, 6], [7, 8])
+def test_an_early_read_of_an_ended_lease_fails_on_the_refusal(known_pair, receive, outcome):
+    p, d = known_pair(timeout_s=5.0)
+    lease_and_receive(p, d, receive, "late", ended=True)
     assert "expired" in outcome(d).failed_recving["late"]
-    p.add_leases({"t2": (5, 6)})
-    receive(p, d, "next", [5, 6], [7, 8], transfer_id="t2")
+    lease_and_receive(p, d, receive, "next", transfer_id="t2")
     assert outcome(d).finished_recving == {"next"}
 
 
-def test_an_early_read_with_a_wrong_checksum_fails(connect, receive, outcome):
-    p, d = connect(verify=True)
-    _first_round(p, d, receive, outcome)
+def test_an_early_read_with_a_wrong_checksum_fails(known_pair, receive, outcome):
+    p, d = known_pair(verify=True)
     p.set_faults(FaultInjection(corrupt=True))
-    p.add_leases({"t": (5, 6)})
-    receive(p, d, "r", [5, 6], [7, 8])
+    lease_and_receive(p, d, receive)
     assert "checksum mismatch" in outcome(d).failed_recving["r"]
 
 
-def test_an_early_read_from_a_layout_that_changed_fails(connect, receive, outcome):
+def test_an_early_read_from_a_layout_that_changed_fails(known_pair, receive, outcome):
     """Engines register their caches once; should a producer re-register, a READ made from
     the layout of its earlier grant must not count."""
-    p, d = connect()
-    _first_round(p, d, receive, outcome)
+    p, d = known_pair()
     p.register_kv_caches([torch.randn(SHAPE) for _ in range(3)])  # new memory: new bases
-    p.add_leases({"t": (5, 6)})
-    receive(p, d, "r", [5, 6], [7, 8])
+    lease_and_receive(p, d, receive)
     assert "layout changed" in outcome(d).failed_recving["r"]
