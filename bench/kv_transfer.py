@@ -74,7 +74,7 @@ def raw_gloo_sender(conn, payload: list[torch.Tensor], repeats: int) -> None:
 def raw_nixl_source(conn, payload: list[torch.Tensor]) -> None:
     """Raw baseline: a bare agent exposing the payload; the consumer READs it. It polls its
     notifications meanwhile, as the connector's loop does (UCX over TCP advances that way)."""
-    from baton.services.kv_transfer.nixl_connector import load_nixl
+    from baton.services.kv_transfer.nixl_agent import load_nixl
 
     nixl_agent, nixl_agent_config = load_nixl()
     agent = nixl_agent("raw-source", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
@@ -126,7 +126,7 @@ def raw_gloo_receives(conn, buffers: list[torch.Tensor], repeats: int) -> list[f
 def raw_nixl_reads(conn, buffers: list[torch.Tensor], repeats: int) -> list[float]:
     """One READ of every layer's bytes per repeat, polled as the connector polls a READ."""
     import numpy as np
-    from baton.services.kv_transfer.nixl_connector import load_nixl
+    from baton.services.kv_transfer.nixl_agent import load_nixl
 
     nixl_agent, nixl_agent_config = load_nixl()
     agent = nixl_agent("raw-reader", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

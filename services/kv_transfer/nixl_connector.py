@@ -47,12 +47,9 @@ exercises the checksum comparison, not damaged bytes.
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import json
 import logging
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -65,6 +62,7 @@ import torch
 
 from .config import KVTransferConfig
 from .connector import KVConnector
+from .nixl_agent import Mailbox, create_agent
 from .nixl_layout import CacheLayout, checksum, decode_blocks, encode_blocks
 from .torch_connector import TransferError, advertised_host
 from .types import KVRecvTask
@@ -75,20 +73,6 @@ logger = logging.getLogger(__name__)
 _RECEIVING_POLL_S = 0.00005  # while this rank awaits a grant or a READ: a short burst
 _ACTIVE_POLL_S = 0.0005  # while receives, claims or leases are live (a prefill rank: usually)
 _IDLE_POLL_S = 0.01
-
-
-def load_nixl() -> tuple[type, type]:
-    """(nixl_agent, nixl_agent_config): from the `nixl` package if present, else `nixl-cu12`."""
-    for module in ("nixl._api", "nixl_cu12._api"):
-        try:
-            api = importlib.import_module(module)
-            return api.nixl_agent, api.nixl_agent_config
-        except (ImportError, OSError):  # OSError: the package is there but its libraries do not load
-            continue
-    raise RuntimeError(
-        "kv_transfer.transport 'nixl' needs NVIDIA NIXL, which is not installed: "
-        "pip install nixl-cu12 (or baton[nixl]); or use transport 'torch' (NCCL on GPUs, gloo on CPUs)"
-    )
 
 
 @dataclass(slots=True)
@@ -123,24 +107,12 @@ class _Claim:
 
 class NixlConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
-        nixl_agent, nixl_agent_config = load_nixl()
         super().__init__(config)
         self.rank = tp_rank
         self.device = device
         self.name = f"baton-{uuid.uuid4().hex[:12]}"
-        for attempt in range(3):  # the port may be taken between the probe and the agent's bind
-            port = _free_port()
-            agent_config = nixl_agent_config(
-                enable_prog_thread=False, enable_listen_thread=True, listen_port=port, backends=["UCX"]
-            )
-            try:
-                self._agent = nixl_agent(self.name, agent_config)
-                break
-            except RuntimeError as error:
-                if "bind" not in str(error).lower() or attempt == 2:
-                    raise
-        if "UCX" not in self._agent.backends:
-            raise RuntimeError("NIXL's UCX backend plugin is missing from this installation")
+        self._agent, port = create_agent(self.name)
+        self._mail = Mailbox(self._agent, self.name, config.timeout_s)
         self._endpoint = f"{advertised_host(config.host)}:{port}/{self.name}"
         self.kv_caches: list[torch.Tensor] = []
         self._layout: CacheLayout | None = None
@@ -150,7 +122,6 @@ class NixlConnector(KVConnector):
         self._claims: dict[tuple[str, int], _Claim] = {}
         self._peers: set[str] = set()  # agents whose metadata was asked for
         self._layouts: dict[str, CacheLayout] = {}  # prefill agents' cache layouts, from their grants
-        self._outbox: list[tuple[str, bytes, float]] = []
         self._claim_ids = itertools.count(1)
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -216,23 +187,16 @@ class NixlConnector(KVConnector):
             return _RECEIVING_POLL_S
         with self._lock:
             has_leases = bool(self._leases)
-        return _ACTIVE_POLL_S if has_leases or self._recvs or self._claims or self._outbox else _IDLE_POLL_S
+        return _ACTIVE_POLL_S if has_leases or self._recvs or self._claims or self._mail else _IDLE_POLL_S
 
     def _step(self, now: float) -> None:
-        for peer, messages in self._agent.get_new_notifs().items():
-            for raw in messages:
-                self._on_message(peer, raw)
+        for peer, op, message in self._mail.receive():
+            self._on_message(peer, op, message)
         self._advance_recvs(now)
         self._advance_claims(now)
-        self._flush_outbox(now)
+        self._mail.flush(now)
 
-    def _on_message(self, peer: str, raw: bytes) -> None:
-        try:
-            message = json.loads(raw)
-            op = message["op"]
-        except (ValueError, KeyError, TypeError):
-            logger.warning("NIXL connector %s: unreadable message from %s: %r", self.name, peer, raw[:200])
-            return
+    def _on_message(self, peer: str, op: str, message: dict) -> None:
         if op == "claim":
             self._on_claim(peer, message)
         elif op == "grant":
@@ -243,24 +207,6 @@ class NixlConnector(KVConnector):
             self._on_done(peer, message)
         else:
             logger.warning("NIXL connector %s: unknown message %r from %s", self.name, op, peer)
-
-    def _send(self, peer: str, message: dict, now: float) -> None:
-        """Queues a notification; it leaves once the peer's metadata is loaded here."""
-        self._outbox.append((peer, json.dumps(message).encode(), now + self.config.timeout_s))
-
-    def _flush_outbox(self, now: float) -> None:
-        waiting = []
-        for peer, payload, deadline in self._outbox:
-            if self._agent.check_remote_metadata(peer):
-                try:
-                    self._agent.send_notif(peer, payload)
-                except Exception as error:
-                    logger.warning("NIXL connector %s: message to %s lost: %s", self.name, peer, error)
-            elif now <= deadline:
-                waiting.append((peer, payload, deadline))
-            else:
-                logger.warning("NIXL connector %s: %s never became reachable", self.name, peer)
-        self._outbox = waiting
 
     def _call(self, fn: Callable[[], None]) -> None:
         """Runs `fn` on the loop thread and waits for it."""
@@ -294,7 +240,7 @@ class NixlConnector(KVConnector):
                     self._agent.remove_remote_agent(peer)
         except Exception as error:
             logger.warning("NIXL connector %s: cleanup failed: %s", self.name, error)
-        self._agent = None  # the agent stops its threads as it is destroyed, here on the loop thread
+        self._agent = self._mail = None  # the agent stops its threads as it is destroyed, here on the loop thread
         with self._lock:
             self._num_pins.clear()
             self._lock.notify_all()
@@ -330,10 +276,10 @@ class NixlConnector(KVConnector):
                         "blocks": encode_blocks(recv.task.src_block_ids),
                         "verify": self.config.verify,
                     }
-                    self._send(recv.peer, claim, now)
+                    self._mail.send(recv.peer, claim, now)
                     recv.stage = "claimed"
                     if recv.peer in self._layouts:  # an early READ (module docstring)
-                        self._flush_outbox(now)  # the claim first: a READ may run to its end in the call
+                        self._mail.flush(now)  # the claim first: a READ may run to its end in the call
                         self._start_read(recv, self._layouts[recv.peer])
                 elif recv.stage == "reading" and recv.handle is not None:
                     state = self._agent.check_xfer_state(recv.handle)
@@ -350,7 +296,7 @@ class NixlConnector(KVConnector):
     def _on_grant(self, peer: str, message: dict) -> None:
         recv = self._recvs.get(message["claim"])
         if recv is None or recv.peer != peer or recv.stage not in ("claimed", "reading") or recv.granted:
-            self._send(peer, {"op": "done", "claim": message["claim"], "ok": False}, time.monotonic())
+            self._mail.send(peer, {"op": "done", "claim": message["claim"], "ok": False}, time.monotonic())
             return  # given up: let it unpin
         try:
             recv.checksum = message.get("checksum")
@@ -400,7 +346,7 @@ class NixlConnector(KVConnector):
             crc = checksum(self.kv_caches, dst)
             if crc != recv.checksum:
                 raise TransferError(f"checksum mismatch ({crc:#x} != {recv.checksum:#x})")
-        self._send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": True}, now)
+        self._mail.send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": True}, now)
         del self._recvs[recv.claim_id]
         with self._lock:
             self._status.finished_recving.add(recv.task.request_id)
@@ -422,7 +368,7 @@ class NixlConnector(KVConnector):
             self._status.failed_recving[recv.task.request_id] = f"{type(error).__name__}: {error}"
             self._pending.discard(recv.task.request_id)
         if recv.stage in ("claimed", "reading"):  # unpin the blocks over there now, not at its timeout
-            self._send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": False}, time.monotonic())
+            self._mail.send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": False}, time.monotonic())
         elif recv.stage == "connecting" and recv.peer in self._peers:
             try:
                 if not self._agent.check_remote_metadata(recv.peer):
@@ -483,7 +429,7 @@ class NixlConnector(KVConnector):
         del self._claims[key]
         if claim.is_pinned:
             self._unpin(claim.transfer_id, ok=False)
-        self._send(claim.peer, {"op": "refused", "claim": claim.claim_id, "reason": reason}, now)
+        self._mail.send(claim.peer, {"op": "refused", "claim": claim.claim_id, "reason": reason}, now)
 
     def _grant(self, claim: _Claim, now: float) -> None:
         crc = None
@@ -492,16 +438,9 @@ class NixlConnector(KVConnector):
             if self.faults.corrupt:
                 crc ^= 0xFFFFFFFF
         grant = {"op": "grant", "claim": claim.claim_id, "layout": asdict(self._layout), "checksum": crc}
-        self._send(claim.peer, grant, now)
+        self._mail.send(claim.peer, grant, now)
 
     def _on_done(self, peer: str, message: dict) -> None:
         claim = self._claims.pop((peer, message["claim"]), None)
         if claim is not None and claim.is_pinned:
             self._unpin(claim.transfer_id, ok=bool(message["ok"]))
-
-
-def _free_port() -> int:
-    """A port free now, for the agent's metadata listener (NIXL does not report one it picked)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from baton.services.kv_transfer.config import KVTransferConfig
 from baton.services.kv_transfer.connector import create_connector
-from baton.services.kv_transfer.nixl_connector import load_nixl
+from baton.services.kv_transfer.nixl_agent import load_nixl
 from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams, KVTransferStatus
 
 CACHE_SHAPE = (2, 40, 4, 2, 8)  # [K/V, blocks, block size, kv heads, head dim], 3 layers

@@ -13,7 +13,7 @@ from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore
 from baton.services.kv_transfer.config import FaultInjection
-from baton.services.kv_transfer.nixl_connector import load_nixl
+from baton.services.kv_transfer.nixl_agent import load_nixl
 
 PROMPT = list(range(100, 171))  # 71 tokens: 4 full blocks of 16 and a partial one
 MAX_TOKENS = 12
