@@ -3,9 +3,12 @@
 `services/` -> `baton.services`, `kernels/` -> `baton.kernels`, and the generated gRPC
 code in `protos/baton/v1/` -> `baton.v1` (the proto package name). A top-level `kernels`
 import name would shadow Hugging Face's `kernels` package, which transformers probes.
+
+One C extension: the block-hash chain (services/engine/_block_hash.c, against OpenSSL's
+libcrypto). It is optional: where it cannot be built, block_hash.py hashes in Python.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 FOLDERS = {"baton.services": "services", "baton.kernels": "kernels", "baton.v1": "protos/baton/v1"}
 
@@ -26,4 +29,13 @@ setup(
         "baton.services": ["**/*.jinja", "**/*.json"],
         "baton.kernels": ["csrc/*.cpp"],
     },
+    ext_modules=[
+        Extension(
+            "baton.services.engine._block_hash",
+            ["services/engine/_block_hash.c"],
+            libraries=["crypto"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ],
 )
