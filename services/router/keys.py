@@ -16,6 +16,10 @@
     ns:w:<id>:spec      ZSET  routers' speculative entries: checkpoint block hash -> expiry ms
     ns:w:<id>:seq       STRING next KV-event sequence number the index expects from it
     ns:w:<id>:snapshot  SET   a snapshot being uploaded, renamed onto :cached when complete
+    ns:predicted:<hex>  SET   ids of workers that may hold speculative entries for prompts
+                               whose first block hash is <hex>: a query searches only their
+                               :spec sets. It expires a speculative TTL after the last such
+                               placement (kept when tests inject a clock other than Redis's)
 
 The Lua scripts (lua_scripts.py) build the same names from the namespace; this class is
 their Python twin, for the snapshot upload and for tests.
@@ -51,6 +55,9 @@ class Keyspace:
     @property
     def stored(self) -> str:
         return f"{self.namespace}:stored"
+
+    def predicted(self, first_block_hash: bytes) -> str:
+        return f"{self.namespace}:predicted:{first_block_hash.hex()}"
 
     def role(self, role: str) -> str:
         return f"{self.namespace}:role:{role}"

@@ -218,16 +218,17 @@ local function checkpoints(num)
   while position <= num do
     positions[#positions + 1] = position
     position = position + step
-    if position >= 8 * step then step = step * 2 end
+    if position >= 4 * step then step = step * 2 end
   end
   if num > 0 and positions[#positions] ~= num then positions[#positions + 1] = num end
   return positions
 end
 """
 
-# ARGV: ns, role, now_ms, the prompt's packed block hashes (in order).
-# Returns one string, a line per alive worker of the role:
-#   "<id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens> <stored blocks>"
+# ARGV: ns, role, now_ms, the prompt's packed block hashes (in order), its first block hash
+# in hex (empty: no full block).
+# Returns one string: six space-separated fields per alive worker of the role,
+#   <id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens> <stored blocks>
 # Hashes are split off the packed argument only when a lookup needs them.
 QUERY = (
     _PRELUDE
@@ -354,18 +355,25 @@ for i = 1, #ids, CHUNK do
   end
 end
 local runs = cached_runs(slots)
-local rows = {}
-for j, id in ipairs(ids) do
-  local state = alive[j]
-  local prefix = predicted_run(wkey(id, 'spec'), runs[j])
-  rows[j] = table.concat({id, state[1], prefix, state[2], state[3], stored[j]}, ' ')
+-- Only workers that took a prompt starting with this one's first block lately can hold
+-- speculative entries for it (hashes chain): their sets are searched, no one else's.
+local predicting = {}
+if num > 0 then
+  for _, id in ipairs(redis.call('SMEMBERS', key('predicted:' .. ARGV[5]))) do predicting[id] = true end
 end
-return table.concat(rows, '\\n')
+local out = {}  -- one flat list, joined once: a table and a string per worker cost more
+for j, id in ipairs(ids) do
+  local state, n = alive[j], 6 * (j - 1)
+  out[n + 1], out[n + 2], out[n + 4], out[n + 5], out[n + 6] = id, state[1], state[2], state[3], stored[j]
+  out[n + 3] = predicting[id] and predicted_run(wkey(id, 'spec'), runs[j]) or runs[j]
+end
+return table.concat(out, ' ')
 """
 )
 
 # ARGV: ns, worker_id, new prompt tokens, spec_ttl_ms, pending_ttl_ms, now_ms, packed hashes
-# of the placed prompt's checkpoints past its credited prefix (prefix_index.checkpoints_beyond).
+# of the placed prompt's checkpoints past its credited prefix (prefix_index.checkpoints_beyond),
+# the prompt's first block hash in hex (empty: no full block).
 # Returns 1, or 0 when the worker is no longer alive (nothing is written).
 RECORD_PLACEMENT = (
     _PRELUDE
@@ -380,6 +388,12 @@ if spec_ttl > 0 and #ARGV[7] > 0 then
   -- GT: an entry's expiry only grows. CHUNK is even: (score, member) pairs stay whole.
   chunked('ZADD', spec, scored(now + spec_ttl, ARGV[7]), 'GT')
   redis.call('ZREMRANGEBYSCORE', spec, '-inf', now)
+  -- The queries' filter: which workers may hold entries for prompts with this first block.
+  -- It outlives its members' entries (removals, snapshots and expiry leave it), never the
+  -- reverse. Key expiry runs on Redis's clock: with an injected clock it is kept.
+  local predicted = key('predicted:' .. ARGV[8])
+  redis.call('SADD', predicted, id)
+  if tonumber(ARGV[6]) < 0 then redis.call('PEXPIRE', predicted, spec_ttl) end
 end
 local requests, tokens = tonumber(pending[1]), tonumber(pending[2])
 if tonumber(pending[3]) <= now then requests, tokens = 0, 0 end

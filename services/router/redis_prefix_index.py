@@ -107,7 +107,8 @@ class RedisPrefixIndex(PrefixIndex):
     # -- router side ------------------------------------------------------------------
 
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
-        args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes)]
+        first_block = block_hashes[0].hex() if block_hashes else ""
+        args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes), first_block]
         fields = self._channel().call(lua_scripts.QUERY, args).decode().split()  # 6 fields per worker
         views = []
         rows = iter(fields)
@@ -138,6 +139,7 @@ class RedisPrefixIndex(PrefixIndex):
             self._pending_ttl_ms,
             self._now_ms(),
             b"".join([block_hashes[p - 1] for p in checkpoints_beyond(len(block_hashes), num_cached_blocks)]),
+            block_hashes[0].hex() if block_hashes else "",
         ]
         self._channel().send(lua_scripts.RECORD_PLACEMENT, args)
 

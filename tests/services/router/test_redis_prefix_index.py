@@ -90,6 +90,27 @@ def test_every_key_of_a_model_carries_its_hash_tag(redis_server):
     assert len(keys) >= 6 and all(k.startswith("baton:{tiny}:") for k in keys)
 
 
+def test_a_placement_lists_its_worker_for_the_prompts_first_block(redis_server):
+    """Queries search the speculative entries of the listed workers only; the list expires a
+    speculative TTL (Redis's clock) after the last placement of such a prompt."""
+    config = make_config(redis_server).model_copy(update={"index": IndexConfig(speculative_ttl_s=5.0)})
+    index = make_index(config)  # clock=None: Redis TIME
+    a, b = make_info("a"), make_info("b")
+    for info in (a, b):
+        index.heartbeat(info, WorkerLoad(), TTL_S)
+        index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset()))
+    hashes = hash_request_tokens(list(range(16)), 4)
+    index.record_placement(a.worker_id, hashes, 16)
+    index.record_placement(b.worker_id, hashes[:2], 8)
+    index.flush()
+    listed = index.keys.predicted(hashes[0])
+    assert index.client.smembers(listed) == {a.worker_id.encode(), b.worker_id.encode()}
+    assert 0 < index.client.pttl(listed) <= 5000
+    assert [v.num_cached_blocks for v in index.query("prefill", hashes)] == [4, 2]
+    index.client.srem(listed, a.worker_id)  # unlisted: its entries are not searched
+    assert [v.num_cached_blocks for v in index.query("prefill", hashes)] == [0, 2]
+
+
 def test_the_server_clock_judges_expiry_when_no_clock_is_injected(redis_server):
     config = make_config(redis_server).model_copy(update={"index": IndexConfig(speculative_ttl_s=0.2)})
     index = make_index(config)  # clock=None: Redis TIME
