@@ -14,7 +14,9 @@ workers do. Reported per decision:
   total     hash + decision: what `route_prefill` costs the gateway
 
 and the time Redis spends in the scripts (INFO commandstats), per query and per placement
-write: it bounds how many decisions one Redis can serve. With N threads: decisions/s over
+write: it bounds how many decisions one Redis can serve. Also the CPU time per decision,
+user + system, of this process (the router; its load reporter thread adds well under 1%) and
+of redis-server (INFO cpu, so also with --redis-url). With N threads: decisions/s over
 the wall clock and the total's p50/p99 (which then include waiting for a busy Redis or CPU).
 
   python bench/router_latency.py [--decisions 20000] [--workers 16] [--blocks 1000000] [--threads 2,4]
@@ -105,6 +107,17 @@ def script_usec(router: PrefixRouter) -> int:
     return router.index.client.info("commandstats").get("cmdstat_evalsha", {"usec": 0})["usec"]
 
 
+def cpu_seconds(router: PrefixRouter) -> tuple[float, float]:
+    """(this process, the Redis server): CPU time, user + system, so far."""
+    redis_cpu = router.index.client.info("cpu")
+    return time.process_time(), redis_cpu["used_cpu_user"] + redis_cpu["used_cpu_sys"]
+
+
+def print_cpu(before: tuple[float, float], after: tuple[float, float], num_decisions: int) -> None:
+    router_us, redis_us = ((a - b) / num_decisions * 1e6 for a, b in zip(after, before))
+    print(f"CPU per decision: router process {router_us:.0f} us, redis-server {redis_us:.0f} us (user + system)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=20_000)
@@ -146,6 +159,7 @@ def run(config: RouterConfig, docs: list[list[int]], num_decisions: int, rng: ra
     hash_s, decision_s, total_s, query_s = [], [], [], []
     reasons: dict[str, int] = {}
     router.index.client.config_resetstat()
+    cpu_before = cpu_seconds(router)
     started = time.perf_counter()
     for i, tokens in enumerate(prompts):
         t0 = time.perf_counter()
@@ -159,6 +173,7 @@ def run(config: RouterConfig, docs: list[list[int]], num_decisions: int, rng: ra
         reasons[placement.reason.value] = reasons.get(placement.reason.value, 0) + 1
     elapsed = time.perf_counter() - started
     router.index.flush()
+    cpu_after = cpu_seconds(router)
     decisions_usec = script_usec(router)
     for tokens in prompts[: num_decisions // 4]:
         hashes = router.hasher.block_hashes(tokens)
@@ -176,6 +191,7 @@ def run(config: RouterConfig, docs: list[list[int]], num_decisions: int, rng: ra
     per_decision = decisions_usec / num_decisions
     print(f"Redis time in scripts: {per_decision:.0f} us per decision (query and placement write), "
           f"{query_usec:.0f} us per query alone (INFO commandstats)")  # fmt: skip
+    print_cpu(cpu_before, cpu_after, num_decisions)
     print(f"router metrics: {router.metrics()}")
 
 
@@ -201,11 +217,13 @@ def run_threads(config: RouterConfig, docs: list[list[int]], num_decisions: int,
         thread.start()
     start.wait()
     router.index.client.config_resetstat()
+    cpu_before = cpu_seconds(router)
     started = time.perf_counter()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
     router.index.flush()
+    print_cpu(cpu_before, cpu_seconds(router), num_decisions)
     per_decision = script_usec(router) / num_decisions
     print(f"{num_threads} threads, one router: {num_decisions / elapsed:,.0f} decisions/s (hash included); "
           f"Redis {per_decision:.0f} us per decision")  # fmt: skip
