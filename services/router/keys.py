@@ -9,9 +9,13 @@
     ns:blocks           HASH  16-byte block hash -> mask of the slots whose workers hold it
                                (bit slot % 8 of byte slot // 8; a block nobody holds has none)
     ns:stored           HASH  worker id -> how many blocks its set holds
-    ns:w:<id>:state     HASH  load: "<reported_at_ms>,<WorkerLoad>"; requests, tokens, until:
-                               placements since that report (counted until `until` ms).
-                               It expires after the heartbeat TTL: its presence is the heartbeat
+    ns:loads            HASH  worker id -> "<alive until> <reported_at_ms>,<WorkerLoad>
+                               <requests> <tokens> <until>": when its heartbeat expires (ms,
+                               Redis's clock), its last report, and the placements since that
+                               report (counted until `until` ms). One hash, so that a query
+                               reads every worker's row with one command
+    ns:w:<id>:alive     STRING the heartbeat: it expires after the heartbeat TTL (as the row
+                               says); a worker without it is dead and garbage-collected
     ns:w:<id>:cached    SET   16-byte hashes of the blocks the worker's events stored
     ns:w:<id>:spec      ZSET  routers' speculative entries: checkpoint block hash -> expiry ms
     ns:w:<id>:seq       STRING next KV-event sequence number the index expects from it
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from .config import check_key_part
 
-WORKER_KEY_PARTS = ("state", "cached", "spec", "seq", "snapshot")
+WORKER_KEY_PARTS = ("alive", "cached", "spec", "seq", "snapshot")
 
 
 class Keyspace:
@@ -55,6 +59,10 @@ class Keyspace:
     @property
     def stored(self) -> str:
         return f"{self.namespace}:stored"
+
+    @property
+    def loads(self) -> str:
+        return f"{self.namespace}:loads"
 
     def predicted(self, first_block_hash: bytes) -> str:
         return f"{self.namespace}:predicted:{first_block_hash.hex()}"

@@ -30,11 +30,26 @@ local HASH_BYTES = {BLOCK_HASH_BYTES}
 local CHUNK = 4000  -- values per command: Lua's unpack() stops near 8000
 local function key(part) return ns .. ':' .. part end
 local function wkey(id, part) return ns .. ':w:' .. id .. ':' .. part end
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function clock(ms)
   ms = tonumber(ms)
   if ms >= 0 then return ms end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return server_ms()
+end
+-- A worker's row in ns:loads (keys.py): alive_until, report, pending requests, tokens, until.
+local function load_row(id)
+  local row = redis.call('HGET', key('loads'), id)
+  if not row then return nil end
+  local alive_until, report, requests, tokens, pending_until = string.match(row, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+  return {{alive_until = alive_until, report = report, requests = tonumber(requests), tokens = tonumber(tokens),
+           pending_until = tonumber(pending_until)}}
+end
+local function save_row(id, row)
+  redis.call('HSET', key('loads'), id, table.concat(
+    {{row.alive_until, row.report, row.requests, row.tokens, row.pending_until}}, ' '))
 end
 local function split(packed)
   local hashes, sub = {{}}, string.sub
@@ -108,8 +123,9 @@ end
 local function wipe(id)
   local slot = redis.call('HGET', key('slots'), id)
   if slot then mark(redis.call('SMEMBERS', wkey(id, 'cached')), tonumber(slot), false) end
-  redis.call('UNLINK', wkey(id, 'state'), wkey(id, 'cached'), wkey(id, 'spec'), wkey(id, 'seq'), wkey(id, 'snapshot'))
+  redis.call('UNLINK', wkey(id, 'alive'), wkey(id, 'cached'), wkey(id, 'spec'), wkey(id, 'seq'), wkey(id, 'snapshot'))
   redis.call('HDEL', key('workers'), id)
+  redis.call('HDEL', key('loads'), id)
   redis.call('HDEL', key('slots'), id)
   redis.call('HDEL', key('stored'), id)
   redis.call('SREM', key('role:prefill'), id)
@@ -137,10 +153,12 @@ if current ~= epoch or redis.call('HEXISTS', key('workers'), id) == 0 then
   slot_of(id)
   registered = 1
 end
+-- The heartbeat key, and the same expiry in the row queries read (both on Redis's clock).
 -- The report includes the placements made so far: pending counts restart from zero.
-local state = wkey(id, 'state')
-redis.call('HSET', state, 'load', clock(ARGV[9]) .. ',' .. ARGV[7], 'requests', 0, 'tokens', 0, 'until', 0)
-redis.call('PEXPIRE', state, ARGV[8])
+local ttl = tonumber(ARGV[8])
+redis.call('SET', wkey(id, 'alive'), 1, 'PX', ttl)
+save_row(id, {alive_until = server_ms() + ttl, report = clock(ARGV[9]) .. ',' .. ARGV[7], requests = 0, tokens = 0,
+              pending_until = 0})
 return registered
 """
 )
@@ -227,8 +245,12 @@ end
 
 # ARGV: ns, role, now_ms, the prompt's packed block hashes (in order), its first block hash
 # in hex (empty: no full block).
-# Returns one string: six space-separated fields per alive worker of the role,
-#   <id> <reported_at_ms>,<load> <credited prefix blocks> <pending requests> <pending tokens> <stored blocks>
+# Returns one string of space-separated fields: Redis's clock and now_ms (ms), then eight per
+# worker of the role,
+#   <id> <alive until> <reported_at_ms>,<load> <pending requests> <pending tokens>
+#   <pending until> <credited prefix blocks> <stored blocks>
+# The caller drops workers whose heartbeat expired (alive until <= Redis's clock) and pending
+# counts whose time is up (pending until <= now_ms): no row is parsed here.
 # Hashes are split off the packed argument only when a lookup needs them.
 QUERY = (
     _PRELUDE
@@ -334,26 +356,24 @@ local function predicted_run(k, length)
   return length
 end
 
-local alive, ids = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', key('role:' .. ARGV[2]))) do
-  local state = redis.call('HMGET', wkey(id, 'state'), 'load', 'requests', 'tokens', 'until')
-  if state[1] then  -- the heartbeat has not expired
-    if tonumber(state[4]) <= now then state[2], state[3] = 0, 0 end
-    alive[#alive + 1] = state
-    ids[#ids + 1] = id
+local clocks = server_ms() .. ' ' .. now
+local members = redis.call('SMEMBERS', key('role:' .. ARGV[2]))
+local ids, rows, slots, stored = {}, {}, {}, {}
+for i = 1, #members, CHUNK do
+  local last = math.min(i + CHUNK - 1, #members)
+  local got_rows = redis.call('HMGET', key('loads'), unpack(members, i, last))
+  local got_slots = redis.call('HMGET', key('slots'), unpack(members, i, last))
+  local got_stored = redis.call('HMGET', key('stored'), unpack(members, i, last))
+  for k = 1, last - i + 1 do
+    if got_rows[k] then  -- registered (a wipe removes the row)
+      local j = #ids + 1
+      ids[j], rows[j] = members[i + k - 1], got_rows[k]
+      slots[j] = got_slots[k] and tonumber(got_slots[k])
+      stored[j] = got_stored[k] or 0
+    end
   end
 end
-if #ids == 0 then return '' end
-local slots, stored = {}, {}
-for i = 1, #ids, CHUNK do
-  local last = math.min(i + CHUNK - 1, #ids)
-  local got_slots = redis.call('HMGET', key('slots'), unpack(ids, i, last))
-  local got_stored = redis.call('HMGET', key('stored'), unpack(ids, i, last))
-  for j = i, last do
-    slots[j] = got_slots[j - i + 1] and tonumber(got_slots[j - i + 1])
-    stored[j] = got_stored[j - i + 1] or 0
-  end
-end
+if #ids == 0 then return clocks end
 local runs = cached_runs(slots)
 -- Only workers that took a prompt starting with this one's first block lately can hold
 -- speculative entries for it (hashes chain): their sets are searched, no one else's.
@@ -361,10 +381,10 @@ local predicting = {}
 if num > 0 then
   for _, id in ipairs(redis.call('SMEMBERS', key('predicted:' .. ARGV[5]))) do predicting[id] = true end
 end
-local out = {}  -- one flat list, joined once: a table and a string per worker cost more
+local out = {clocks}  -- one flat list, joined once: a table and a string per worker cost more
 for j, id in ipairs(ids) do
-  local state, n = alive[j], 6 * (j - 1)
-  out[n + 1], out[n + 2], out[n + 4], out[n + 5], out[n + 6] = id, state[1], state[2], state[3], stored[j]
+  local n = 1 + 4 * (j - 1)
+  out[n + 1], out[n + 2], out[n + 4] = id, rows[j], stored[j]
   out[n + 3] = predicting[id] and predicted_run(wkey(id, 'spec'), runs[j]) or runs[j]
 end
 return table.concat(out, ' ')
@@ -379,9 +399,9 @@ RECORD_PLACEMENT = (
     _PRELUDE
     + """
 local id = ARGV[2]
-local state, spec = wkey(id, 'state'), wkey(id, 'spec')
-local pending = redis.call('HMGET', state, 'requests', 'tokens', 'until')
-if not pending[1] then return 0 end
+local spec = wkey(id, 'spec')
+local row = load_row(id)
+if not row or tonumber(row.alive_until) <= server_ms() then return 0 end
 local now = clock(ARGV[6])
 local spec_ttl, pending_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 if spec_ttl > 0 and #ARGV[7] > 0 then
@@ -395,9 +415,10 @@ if spec_ttl > 0 and #ARGV[7] > 0 then
   redis.call('SADD', predicted, id)
   if tonumber(ARGV[6]) < 0 then redis.call('PEXPIRE', predicted, spec_ttl) end
 end
-local requests, tokens = tonumber(pending[1]), tonumber(pending[2])
-if tonumber(pending[3]) <= now then requests, tokens = 0, 0 end
-redis.call('HSET', state, 'requests', requests + 1, 'tokens', tokens + tonumber(ARGV[3]), 'until', now + pending_ttl)
+if row.pending_until <= now then row.requests, row.tokens = 0, 0 end
+row.requests, row.tokens = row.requests + 1, row.tokens + tonumber(ARGV[3])
+row.pending_until = now + pending_ttl
+save_row(id, row)
 return 1
 """
 )
@@ -407,12 +428,11 @@ return 1
 COMPLETE_PLACEMENT = (
     _PRELUDE
     + """
-local state = wkey(ARGV[2], 'state')
-local pending = redis.call('HMGET', state, 'requests', 'tokens', 'until')
-if not pending[1] or tonumber(pending[3]) <= clock(ARGV[4]) then return 0 end
-local requests = math.max(tonumber(pending[1]) - 1, 0)
-local tokens = math.max(tonumber(pending[2]) - tonumber(ARGV[3]), 0)
-redis.call('HSET', state, 'requests', requests, 'tokens', tokens)
+local row = load_row(ARGV[2])
+if not row or row.pending_until <= clock(ARGV[4]) then return 0 end
+row.requests = math.max(row.requests - 1, 0)
+row.tokens = math.max(row.tokens - tonumber(ARGV[3]), 0)
+save_row(ARGV[2], row)
 return 1
 """
 )
@@ -423,7 +443,7 @@ COLLECT_GARBAGE = (
     + """
 local count = 0
 for _, id in ipairs(redis.call('HKEYS', key('workers'))) do
-  if redis.call('EXISTS', wkey(id, 'state')) == 0 then
+  if redis.call('EXISTS', wkey(id, 'alive')) == 0 then
     wipe(id)
     count = count + 1
   end

@@ -109,19 +109,22 @@ class RedisPrefixIndex(PrefixIndex):
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
         first_block = block_hashes[0].hex() if block_hashes else ""
         args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes), first_block]
-        fields = self._channel().call(lua_scripts.QUERY, args).decode().split()  # 6 fields per worker
+        fields = iter(self._channel().call(lua_scripts.QUERY, args).decode().split())
+        server_now, now = int(next(fields)), int(next(fields))
         views = []
-        rows = iter(fields)
-        for worker_id, report, num_cached, num_pending, pending_tokens, num_stored in zip(*[rows] * 6):
+        for worker_id, alive_until, report, requests, tokens, until, num_cached, num_stored in zip(*[fields] * 8):
+            if int(alive_until) <= server_now:
+                continue  # its heartbeat expired; garbage collection will wipe it
             reported_at, load = self._decode_report(report)
+            pending = int(until) > now  # else a load report or the pending TTL cleared them
             views.append(
                 WorkerView(
                     worker_id,
                     load,
                     reported_at,
                     int(num_cached),
-                    int(num_pending),
-                    int(pending_tokens),
+                    int(requests) if pending else 0,
+                    int(tokens) if pending else 0,
                     int(num_stored),
                 )
             )

@@ -271,5 +271,5 @@ def test_threads_route_on_their_own_connections_and_flush_waits_for_all(redis_se
         thread.join()
     index.flush()  # every thread's unanswered writes, not only this thread's
     assert len(index._channels) == 4
-    view = index.client.hmget(index.keys.worker(info.worker_id, "state"), "requests", "tokens")
-    assert view == [b"100", b"1000"]
+    view = index.query("prefill", hashes)[0]
+    assert (view.num_pending_requests, view.num_pending_tokens) == (100, 1000)
