@@ -12,8 +12,11 @@ searches every worker's cached run at once in the bitmaps (block 1 settles the w
 without it; then doubling and bisection, trusting prefix closure), so its look-ups grow
 with the log of the runs, not with the number of workers. Routers' predictions live
 beside the sets in a small sorted set per worker, of checkpoint hashes scored by expiry
-(prefix_index.py says what a query credits). A look-up in a big set or hash costs about a
-microsecond of cache misses: the number of look-ups is what a query costs.
+(prefix_index.py says what a query credits), searched only for the workers listed under
+the prompt's first block. Every worker's load, pending placements and heartbeat expiry
+are one row of one hash, so a query reads them all with one command. A look-up in a big
+set or hash costs about a microsecond of cache misses: the number of look-ups and of
+commands is what a query costs.
 
 Block hashes travel packed: one argument holding n * 16 bytes, split inside the script.
 Packing a prompt's 128 hashes into one argument, and answering a query with one string,
