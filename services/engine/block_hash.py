@@ -18,6 +18,7 @@ third of the time of the Python loop below, which stays the reference and the fa
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections.abc import Sequence
 
@@ -33,6 +34,10 @@ try:
     from ._block_hash import chain as _native_chain
 except ImportError:  # not built (no compiler or OpenSSL headers at install time)
     _native_chain = None
+    logging.getLogger(__name__).warning(
+        "baton.services.engine._block_hash is not built: prompts are hashed in Python, about three "
+        "times slower (pip install Baton where a C compiler and OpenSSL's headers are present)"
+    )
 
 
 def hash_request_tokens(
