@@ -107,7 +107,7 @@ def checkpoint_positions(num_blocks: int) -> tuple[int, ...]:
     """Prefix lengths (1-based block positions) that carry speculative entries, ascending.
 
     1..4, then two per doubling (at most two significant bits), then `num_blocks` itself.
-    lua_scripts.py computes the same list for a query; a test holds the two together.
+    lua_routing.py computes the same list for a query; a test holds the two together.
     """
     positions, position, step = [], 1, 1
     while position <= num_blocks:
@@ -122,7 +122,7 @@ def checkpoint_positions(num_blocks: int) -> tuple[int, ...]:
 
 def cached_run(num_blocks: int, holds: Callable[[int], bool]) -> int:
     """The cached run the index credits: `holds(p)` says whether the worker holds block p
-    (1-based). Exact for a prefix-closed cache; lua_scripts.py searches the same positions."""
+    (1-based). Exact for a prefix-closed cache; lua_routing.py searches the same positions."""
     if num_blocks == 0 or not holds(1):
         return 0
     held, missing = 1, num_blocks + 1

@@ -1,7 +1,8 @@
 """The prefix index in Redis, shared by every router and worker of one model.
 
-Each method is one round trip: a Lua script (lua_scripts.py) for anything that reads and
-writes, a pipeline for a snapshot upload. The key layout is in keys.py. Redis errors
+Each method is one round trip: a Lua script (lua_scripts.py for the worker side,
+lua_routing.py for the routing path) for anything that reads and writes, a pipeline for a
+snapshot upload. The key layout is in keys.py. Redis errors
 (`redis.RedisError`) reach the caller, which decides what unavailability means: the
 router routes by load, the worker agent retries and then republishes a snapshot.
 """
@@ -16,7 +17,7 @@ import redis
 
 from ..engine.block_hash import BlockHash
 from ..engine.kv_events import BlockRemoved, BlockStored, KVCacheSnapshot, KVEvent
-from . import lua_scripts
+from . import lua_routing, lua_scripts
 from .config import IndexConfig, WorkerConfig
 from .keys import Keyspace
 from .prefix_index import (
@@ -62,7 +63,7 @@ class RedisPrefixIndex(PrefixIndex):
         # The routing path: the query waits, the placement write does not. Each thread gets
         # its own channel (connection), so decisions on several threads overlap their round
         # trips, as they do when Serve's router runs them with asyncio.to_thread.
-        self._routing_scripts = [lua_scripts.QUERY, lua_scripts.RECORD_PLACEMENT, lua_scripts.COMPLETE_PLACEMENT]
+        self._routing_scripts = [lua_routing.QUERY, lua_routing.RECORD_PLACEMENT, lua_routing.COMPLETE_PLACEMENT]
         self._thread_channel = threading.local()
         self._channels: list[ScriptChannel] = []
         self._channels_lock = threading.Lock()
@@ -109,7 +110,7 @@ class RedisPrefixIndex(PrefixIndex):
     def query(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
         first_block = block_hashes[0].hex() if block_hashes else ""
         args = [self.keys.namespace, check_role(role), self._now_ms(), b"".join(block_hashes), first_block]
-        fields = iter(self._channel().call(lua_scripts.QUERY, args).decode().split())
+        fields = iter(self._channel().call(lua_routing.QUERY, args).decode().split())
         server_now, now = int(next(fields)), int(next(fields))
         views = []
         for worker_id, alive_until, report, requests, tokens, until, num_cached, num_stored in zip(*[fields] * 8):
@@ -144,11 +145,11 @@ class RedisPrefixIndex(PrefixIndex):
             b"".join([block_hashes[p - 1] for p in checkpoints_beyond(len(block_hashes), num_cached_blocks)]),
             block_hashes[0].hex() if block_hashes else "",
         ]
-        self._channel().send(lua_scripts.RECORD_PLACEMENT, args)
+        self._channel().send(lua_routing.RECORD_PLACEMENT, args)
 
     def complete_placement(self, worker_id: str, num_new_tokens: int) -> None:
         args = [self.keys.namespace, worker_id, num_new_tokens, self._now_ms()]
-        self._channel().send(lua_scripts.COMPLETE_PLACEMENT, args)
+        self._channel().send(lua_routing.COMPLETE_PLACEMENT, args)
 
     def flush(self) -> None:
         """Waits until Redis has applied every placement write (they are sent without waiting)."""

@@ -9,7 +9,7 @@ import time
 
 from baton.services.engine.block_hash import hash_request_tokens
 from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
-from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad, lua_scripts
+from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad, lua_routing
 from baton.services.router.prefix_index import checkpoint_positions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -152,7 +152,7 @@ def test_long_prompts_with_gaps_and_predictions_agree_with_the_model(redis_serve
 
 
 def test_the_scripts_checkpoints_are_the_models(redis_server):
-    script = lua_scripts.CHECKPOINTS + "return checkpoints(tonumber(ARGV[1]))"
+    script = lua_routing.CHECKPOINTS + "return checkpoints(tonumber(ARGV[1]))"
     client = redis_server.client()
     for num_blocks in [*range(0, 200), 255, 256, 257, 1000, 9000]:
         assert tuple(client.eval(script, 0, num_blocks)) == checkpoint_positions(num_blocks)
