@@ -2,9 +2,9 @@
 
 Each method is one round trip: a Lua script (lua_scripts.py for the worker side,
 lua_routing.py for the routing path) for anything that reads and writes, a pipeline for a
-snapshot upload. The key layout is in keys.py. Redis errors
-(`redis.RedisError`) reach the caller, which decides what unavailability means: the
-router routes by load, the worker agent retries and then republishes a snapshot.
+snapshot upload. The key layout is in keys.py. Redis errors (`redis.RedisError`) reach the
+caller, which decides what unavailability means: the router routes by load, the worker
+agent retries and then republishes a snapshot.
 """
 
 from __future__ import annotations
