@@ -25,8 +25,8 @@
                                :spec sets. It expires a speculative TTL after the last such
                                placement (kept when tests inject a clock other than Redis's)
 
-The Lua scripts (lua_scripts.py) build the same names from the namespace; this class is
-their Python twin, for the snapshot upload and for tests.
+The Lua scripts (lua_scripts.py, lua_routing.py) build the same names from the namespace;
+this class is their Python twin, for the snapshot upload and for tests.
 """
 
 from __future__ import annotations
