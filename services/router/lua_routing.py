@@ -40,7 +40,8 @@ QUERY = (
     PRELUDE
     + CHECKPOINTS
     + """
-local now = clock(ARGV[3])
+local server = server_ms()
+local now = clock(ARGV[3], server)
 local packed = ARGV[4]
 local num = #packed / HASH_BYTES
 local hashes, sub = {}, string.sub
@@ -140,7 +141,7 @@ local function predicted_run(k, length)
   return length
 end
 
-local clocks = server_ms() .. ' ' .. now
+local clocks = server .. ' ' .. now
 local members = redis.call('SMEMBERS', key('role:' .. ARGV[2]))
 local ids, rows, slots, stored = {}, {}, {}, {}
 for i = 1, #members, CHUNK do
@@ -185,8 +186,9 @@ RECORD_PLACEMENT = (
 local id = ARGV[2]
 local spec = wkey(id, 'spec')
 local row = load_row(id)
-if not row or tonumber(row.alive_until) <= server_ms() then return 0 end
-local now = clock(ARGV[6])
+local server = server_ms()
+if not row or tonumber(row.alive_until) <= server then return 0 end
+local now = clock(ARGV[6], server)
 local spec_ttl, pending_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 if spec_ttl > 0 and #ARGV[7] > 0 then
   -- GT: an entry's expiry only grows. CHUNK is even: (score, member) pairs stay whole.

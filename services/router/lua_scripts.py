@@ -38,10 +38,12 @@ local function server_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function clock(ms)
+-- The script's clock: `ms` when a caller injects one, else Redis's (`server`, if the script
+-- read it already: one TIME per script).
+local function clock(ms, server)
   ms = tonumber(ms)
   if ms >= 0 then return ms end
-  return server_ms()
+  return server or server_ms()
 end
 -- A worker's row in ns:loads (keys.py): alive_until, report, pending requests, tokens, until.
 local function load_row(id)
@@ -159,9 +161,9 @@ if current ~= epoch or redis.call('HEXISTS', key('workers'), id) == 0 then
 end
 -- The heartbeat key, and the same expiry in the row queries read (both on Redis's clock).
 -- The report includes the placements made so far: pending counts restart from zero.
-local ttl = tonumber(ARGV[8])
+local ttl, server = tonumber(ARGV[8]), server_ms()
 redis.call('SET', wkey(id, 'alive'), 1, 'PX', ttl)
-save_row(id, {alive_until = server_ms() + ttl, report = clock(ARGV[9]) .. ',' .. ARGV[7], requests = 0, tokens = 0,
+save_row(id, {alive_until = server + ttl, report = clock(ARGV[9], server) .. ',' .. ARGV[7], requests = 0, tokens = 0,
               pending_until = 0})
 return registered
 """
