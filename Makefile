@@ -12,7 +12,7 @@ setup: $(STAMP) protos
 
 # torch is pinned to the CPU build first: a bare `torch` requirement would pull CUDA wheels.
 # The editable install also builds the C extension in place (setup.py), hence its source here.
-$(STAMP): pyproject.toml setup.py services/engine/_block_hash.c
+$(STAMP): pyproject.toml setup.py services/engine/core/_block_hash.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

@@ -4,7 +4,7 @@
 code in `protos/baton/v1/` -> `baton.v1` (the proto package name). A top-level `kernels`
 import name would shadow Hugging Face's `kernels` package, which transformers probes.
 
-One C extension: the block-hash chain (services/engine/_block_hash.c, against OpenSSL's
+One C extension: the block-hash chain (services/engine/core/_block_hash.c, against OpenSSL's
 libcrypto). It is optional: where it cannot be built, block_hash.py hashes in Python.
 """
 
@@ -31,8 +31,8 @@ setup(
     },
     ext_modules=[
         Extension(
-            "baton.services.engine._block_hash",
-            ["services/engine/_block_hash.c"],
+            "baton.services.engine.core._block_hash",
+            ["services/engine/core/_block_hash.c"],
             libraries=["crypto"],
             extra_compile_args=["-O2"],
             optional=True,

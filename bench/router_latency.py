@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testlib: the redis-server fixture
 
-from baton.services.engine.kv_events import KVCacheSnapshot  # noqa: E402
+from baton.services.engine.core.kv_events import KVCacheSnapshot  # noqa: E402
 from baton.services.router import (  # noqa: E402
     Keyspace,
     PrefixRouter,

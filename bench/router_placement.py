@@ -37,11 +37,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testlib: the redis-server fixture
 
-from baton.services.engine.block_hash import hash_request_tokens  # noqa: E402
-from baton.services.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from baton.services.engine.kv_events import KVCacheSnapshot  # noqa: E402
-from baton.services.engine.request import Request  # noqa: E402
-from baton.services.engine.sampling_params import SamplingParams  # noqa: E402
+from baton.services.engine.api.sampling_params import SamplingParams  # noqa: E402
+from baton.services.engine.core.block_hash import hash_request_tokens  # noqa: E402
+from baton.services.engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from baton.services.engine.core.kv_events import KVCacheSnapshot  # noqa: E402
+from baton.services.engine.core.request import Request  # noqa: E402
 from baton.services.router import (  # noqa: E402
     Keyspace,
     PolicyConfig,

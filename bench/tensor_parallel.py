@@ -24,15 +24,15 @@ def run(model_dir, tp: int, requests) -> tuple[float, int, float]:
     )
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
     llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=2))  # warm-up
-    executor = llm.engine.executor
+    executor = llm.core.executor
     if tp > 1:
         ray = import_ray()
         ray.get([w.collective_stats.remote() for w in executor.workers])  # reset
-    steps_before = len(llm.engine.step_window.steps)
+    steps_before = len(llm.core.step_window.steps)
     start = time.perf_counter()
     llm.generate([r.prompt_token_ids for r in requests], params)
     elapsed = time.perf_counter() - start
-    steps = len(llm.engine.step_window.steps) - steps_before
+    steps = len(llm.core.step_window.steps) - steps_before
     collective = 0.0
     if tp > 1:
         per_rank = ray.get([w.collective_stats.remote() for w in executor.workers])

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import BatonConfig, Role
+from ..disaggregation.client import DisaggregatedClient
+from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
-from ..gateway.placement import ColocatedPlacement, DisaggregatedPlacement, Placement
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -21,13 +22,13 @@ class ServeGateway(Gateway):
     """The gateway as Serve builds it: from the handles of the engine deployments."""
 
     def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str) -> None:
-        super().__init__(make_placement(mode, workers), tokenizer_path, mode, export_metrics=True)
+        super().__init__(make_engine_client(mode, workers), tokenizer_path, mode, export_metrics=True)
 
 
-def make_placement(mode: str, workers: dict[str, Any]) -> Placement:
+def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
     if mode == "colocated":
-        return ColocatedPlacement(workers["colocated"])
-    return DisaggregatedPlacement(workers["prefill"], workers["decode"])
+        return ColocatedClient(workers["colocated"])
+    return DisaggregatedClient(workers["prefill"], workers["decode"])
 
 
 def build_app(config: BatonConfig):

@@ -29,7 +29,7 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .. import metrics
-from ..engine.block_hash import BlockHash
+from ..engine.core.block_hash import BlockHash
 from ..router.config import RouterConfig
 from ..router.policy import Placement, RankedWorker
 from ..router.router import PrefixRouter

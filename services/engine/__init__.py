@@ -14,8 +14,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "LLM": ".llm",
-    "AsyncLLM": ".async_llm",
+    "LLM": ".api.llm",
+    "AsyncLLM": ".api.async_llm",
     "EngineCore": ".engine_core",
     "EngineStats": ".stats",
     "EngineConfig": ".config",
@@ -24,11 +24,11 @@ _EXPORTS = {
     "SchedulerConfig": ".config",
     "ParallelConfig": ".config",
     "RunnerConfig": ".config",
-    "SamplingParams": ".sampling_params",
-    "RequestOutputKind": ".sampling_params",
-    "RequestOutput": ".outputs",
-    "CompletionOutput": ".outputs",
-    "Logprob": ".outputs",
+    "SamplingParams": ".api.sampling_params",
+    "RequestOutputKind": ".api.sampling_params",
+    "RequestOutput": ".api.outputs",
+    "CompletionOutput": ".api.outputs",
+    "Logprob": ".api.outputs",
     "InvalidRequestError": ".errors",
     "EngineDeadError": ".errors",
     "ModelLoadError": ".errors",
@@ -65,11 +65,11 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
-    from .async_llm import AsyncLLM
+    from .api.async_llm import AsyncLLM
+    from .api.llm import LLM
+    from .api.outputs import CompletionOutput, Logprob, RequestOutput
+    from .api.sampling_params import RequestOutputKind, SamplingParams
     from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
     from .engine_core import EngineCore
     from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
-    from .llm import LLM
-    from .outputs import CompletionOutput, Logprob, RequestOutput
-    from .sampling_params import RequestOutputKind, SamplingParams
     from .stats import EngineStats

@@ -20,23 +20,23 @@ from dataclasses import dataclass
 
 from ..kv_transfer.types import KVTransferParams
 from ..model.config import ModelArch, load_model_arch
-from .beam_search import Beam, BeamSearchGroup, beam_member_params
-from .block_hash import request_extra_keys
+from .api.input_processor import InputProcessor, PreparedRequest
+from .api.output_processor import OutputProcessor
+from .api.outputs import RequestOutput
+from .api.sampling_params import SamplingParams
+from .api.tokenizer import load_tokenizer
 from .config import EngineConfig
+from .core.beam_search import Beam, BeamSearchGroup, beam_member_params
+from .core.block_hash import request_extra_keys
+from .core.kv_events import KVEventPublisher, NullKVEventPublisher
+from .core.request import Request, RequestStatus
+from .core.scheduler import Scheduler
+from .core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .engine_setup import check_engine_config, create_executor, resolve_max_model_len
 from .errors import InvalidRequestError
-from .executor import Executor
-from .input_processor import InputProcessor, PreparedRequest
-from .kv_events import KVEventPublisher, NullKVEventPublisher
-from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .execution.executor import Executor
 from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
-from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 
 from ..model.config import ModelArch
 from .config import EngineConfig
-from .executor import Executor, UniProcExecutor
+from .execution.executor import Executor, UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 def create_executor(config: EngineConfig, arch: ModelArch) -> Executor:
     if config.parallel.tensor_parallel_size == 1:
         return UniProcExecutor(config, arch)
-    from .tp_executor import RayTPExecutor  # imports Ray only when TP > 1
+    from .execution.tp_executor import RayTPExecutor  # imports Ray only when TP > 1
 
     return RayTPExecutor(config, arch)
 

@@ -22,9 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import metrics
-from ..engine.tokenizer import load_tokenizer
+from ..engine.api.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, status_of
 from . import grpc_api
+from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration
 from .openai_api import (
     ChatCompletionRequest,
@@ -37,20 +38,19 @@ from .openai_api import (
     openai_finish_reason,
     usage_body,
 )
-from .placement import Placement
 
 logger = logging.getLogger(__name__)
 
 
 class Gateway:
     def __init__(
-        self, placement: Placement, tokenizer_path: str, mode: str = "colocated", export_metrics: bool = False
+        self, engine_client: EngineClient, tokenizer_path: str, mode: str = "colocated", export_metrics: bool = False
     ) -> None:
         self.mode = mode
-        self.placement = placement
+        self.engine_client = engine_client
         self.export_metrics = export_metrics
         on_finished = _record_request if export_metrics else None
-        self.service = GenerationService(load_tokenizer(tokenizer_path), placement, on_finished)
+        self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished)
 
     # -- gRPC: baton.v1.Inference -----------------------------------------------------
 
@@ -71,7 +71,7 @@ class Gateway:
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
         try:
-            return grpc_api.model_info(await self.service.model_info(), self.placement.roles, self.mode)
+            return grpc_api.model_info(await self.service.model_info(), self.engine_client.roles, self.mode)
         except Exception as error:
             self._set_grpc_error(grpc_context, error)
             raise
@@ -84,7 +84,7 @@ class Gateway:
     async def Check(self, request, grpc_context=None):  # noqa: N802
         from grpc_health.v1 import health_pb2
 
-        serving = await self.placement.is_healthy()
+        serving = await self.engine_client.is_healthy()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
@@ -108,7 +108,7 @@ class Gateway:
         return {"object": "list", "data": [card]}
 
     async def health(self):
-        if not await self.placement.is_healthy():
+        if not await self.engine_client.is_healthy():
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 

@@ -3,7 +3,7 @@
     GenerationRequest (from gRPC or OpenAI)
       -> prompt token ids (the gateway's tokenizer; chat template for chat requests)
       -> checks: sampling parameters, prompt length against the context limit
-      -> Placement.stream(GenerateCall)  ->  RequestOutput deltas  ->  GenerationEvent
+      -> EngineClient.stream(GenerateCall)  ->  RequestOutput deltas  ->  GenerationEvent
 
 Every request has an id (the client's, or a fresh one), so `abort` can reach it.
 """
@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.api.outputs import CompletionOutput
+from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
-from ..engine.outputs import CompletionOutput
-from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..serving_errors import NotFoundError
 from ..workers.messages import GenerateCall, WorkerModelInfo
-from .placement import Placement, PlacementTrace
+from .engine_client import EngineClient, PlacementTrace
 
 
 @dataclass(slots=True)
@@ -65,17 +65,20 @@ class GenerationEvent:
 
 class GenerationService:
     def __init__(
-        self, tokenizer: Any, placement: Placement, on_finished: Callable[[str, GenerationEvent], None] | None = None
+        self,
+        tokenizer: Any,
+        engine_client: EngineClient,
+        on_finished: Callable[[str, GenerationEvent], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.placement = placement
+        self.engine_client = engine_client
         self.on_finished = on_finished  # metrics: (api, the request's last event)
         self._model_info: WorkerModelInfo | None = None
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> set when aborted
 
     async def model_info(self) -> WorkerModelInfo:
         if self._model_info is None:
-            self._model_info = await self.placement.model_info()
+            self._model_info = await self.engine_client.model_info()
         return self._model_info
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -124,7 +127,7 @@ class GenerationService:
         usage = Usage(prompt_tokens=len(call.prompt_token_ids))
         first_token: float | None = None
         aborted = self._inflight[request_id] = asyncio.Event()
-        stream = self.placement.stream(call, trace)
+        stream = self.engine_client.stream(call, trace)
         try:
             while True:
                 output = await _next_or_abort(stream, aborted)

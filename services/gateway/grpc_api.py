@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from baton.v1 import inference_pb2 as pb
 
+from ..engine.api.sampling_params import SamplingParams
 from ..engine.errors import InvalidRequestError
-from ..engine.sampling_params import SamplingParams
 from ..workers.messages import WorkerModelInfo
 from .generation import GenerationEvent, GenerationRequest
 

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.api.outputs import CompletionOutput
+from ..engine.api.sampling_params import SamplingParams
 from ..engine.errors import InvalidRequestError
-from ..engine.outputs import CompletionOutput
-from ..engine.sampling_params import SamplingParams
 from .generation import GenerationEvent, Usage
 
 

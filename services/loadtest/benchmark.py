@@ -114,8 +114,8 @@ async def run_benchmark(spec: BenchmarkSpec) -> dict[str, Any]:
 
 
 def _load_tokenizer(path: str):
+    from ..engine.api.tokenizer import load_tokenizer
     from ..engine.errors import ModelLoadError
-    from ..engine.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path)

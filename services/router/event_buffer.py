@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine.kv_events import KVCacheSnapshot, KVEvent, KVEventPublisher
+from ..engine.core.kv_events import KVCacheSnapshot, KVEvent, KVEventPublisher
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..engine.block_hash import BlockHash
-from ..engine.kv_events import AllBlocksCleared, BlockStored, KVCacheSnapshot, KVEvent
+from ..engine.core.block_hash import BlockHash
+from ..engine.core.kv_events import AllBlocksCleared, BlockStored, KVCacheSnapshot, KVEvent
 from .config import IndexConfig
 from .prefix_index import (
     ApplyResult,

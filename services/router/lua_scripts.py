@@ -26,7 +26,7 @@ scripts are here; the routing path's (query, placement, completion) are in lua_r
 
 from __future__ import annotations
 
-from ..engine.block_hash import BLOCK_HASH_BYTES
+from ..engine.core.block_hash import BLOCK_HASH_BYTES
 
 PRELUDE = f"""
 local ns = ARGV[1]

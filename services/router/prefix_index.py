@@ -46,8 +46,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..engine.block_hash import BlockHash
-from ..engine.kv_events import KVCacheSnapshot, KVEvent
+from ..engine.core.block_hash import BlockHash
+from ..engine.core.kv_events import KVCacheSnapshot, KVEvent
 from .worker_info import WorkerInfo, WorkerLoad
 
 INDEX_ROLES = ("prefill", "decode")

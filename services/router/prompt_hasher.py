@@ -1,7 +1,7 @@
 """Turns a prompt into the block hashes the engine's prefix cache will register for it.
 
 Both halves are the engine's own: its tokenizer loader and the one block-hash function
-(services/engine/block_hash.py), with the cache salt entering the first block exactly as
+(services/engine/core/block_hash.py), with the cache salt entering the first block exactly as
 `EngineCore` adds it. A test proves the hashes equal the ones a real engine publishes.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine.block_hash import BlockHash, hash_request_tokens, request_extra_keys
-from ..engine.input_processor import tokenize_prompt
+from ..engine.api.input_processor import tokenize_prompt
+from ..engine.core.block_hash import BlockHash, hash_request_tokens, request_extra_keys
 
 
 class PromptHasher:
@@ -24,7 +24,7 @@ class PromptHasher:
 
     @classmethod
     def from_model(cls, model_dir: str | Path, block_size: int) -> PromptHasher:
-        from ..engine.tokenizer import load_tokenizer  # transformers is heavy: only when asked for
+        from ..engine.api.tokenizer import load_tokenizer  # transformers is heavy: only when asked for
 
         return cls(block_size, load_tokenizer(model_dir))
 

@@ -15,8 +15,8 @@ from operator import attrgetter
 
 import redis
 
-from ..engine.block_hash import BlockHash
-from ..engine.kv_events import BlockRemoved, BlockStored, KVCacheSnapshot, KVEvent
+from ..engine.core.block_hash import BlockHash
+from ..engine.core.kv_events import BlockRemoved, BlockStored, KVCacheSnapshot, KVEvent
 from . import lua_routing, lua_scripts
 from .config import IndexConfig, WorkerConfig
 from .keys import Keyspace

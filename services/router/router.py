@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from ..engine.block_hash import BlockHash
+from ..engine.core.block_hash import BlockHash
 from .availability import Availability
 from .config import RouterConfig
 from .keys import Keyspace

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from ..engine.kv_events import KVCacheSnapshot, KVEvent
+from ..engine.core.kv_events import KVCacheSnapshot, KVEvent
 from .availability import Availability
 from .config import RouterConfig, WorkerConfig
 from .event_buffer import KVEventBuffer

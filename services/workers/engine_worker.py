@@ -14,10 +14,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from ..engine.async_llm import AsyncLLM
+from ..engine.api.async_llm import AsyncLLM
+from ..engine.api.outputs import RequestOutput
+from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
-from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import RequestOutputKind
 from ..engine.stats import EngineStats
 from ..metrics import EngineMetrics
 from ..router.config import RouterConfig
@@ -60,10 +60,10 @@ class EngineWorker:
         )
         if router_config is not None:
             self.agent = WorkerAgent.from_config(router_config, self.info)
-        self.engine = AsyncLLM(engine_config, kv_event_publisher=self.agent.publisher if self.agent else None)
-        self.engine.engine.worker_id = self.info.worker_id
+        self.llm = AsyncLLM(engine_config, kv_event_publisher=self.agent.publisher if self.agent else None)
+        self.llm.core.worker_id = self.info.worker_id
         if self.agent is not None:
-            self.agent.start(self.engine.stats)
+            self.agent.start(self.llm.stats)
         self._metrics_stop = threading.Event()
         if _in_ray():
             threading.Thread(target=self._export_metrics, name="baton-metrics", daemon=True).start()
@@ -76,7 +76,7 @@ class EngineWorker:
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; if the caller goes away, the request is aborted."""
         self._check_capacity()
-        stream = self.engine.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
+        stream = self.llm.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
         try:
             async for output in stream:
                 yield output
@@ -89,7 +89,7 @@ class EngineWorker:
         self._check_capacity()
         params = dataclasses.replace(call.params, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         continues = (call.params.max_tokens or 2) > 1
-        stream = self.engine.add_request(
+        stream = self.llm.add_request(
             call.request_id, call.prompt_token_ids, params, call.cache_salt, kv_lease=continues
         )
         try:
@@ -105,7 +105,7 @@ class EngineWorker:
         the transfer fails) and streams the tokens after the first."""
         self._check_capacity()
         call = decode.call
-        stream = self.engine.add_request(
+        stream = self.llm.add_request(
             call.request_id,
             call.prompt_token_ids,
             call.params,
@@ -121,15 +121,15 @@ class EngineWorker:
 
     async def set_kv_faults(self, faults) -> None:
         """Test hook: fault injection on this worker's KV sends (needs kv_transfer.allow_fault_injection)."""
-        await self.engine.run_in_engine(lambda core: core.executor.set_kv_faults(faults))
+        await self.llm.run_in_engine(lambda core: core.executor.set_kv_faults(faults))
 
     async def abort(self, request_id: str) -> bool:
-        found = self.engine.has_request(request_id)
-        self.engine.abort(request_id)
+        found = self.llm.has_request(request_id)
+        self.llm.abort(request_id)
         return found
 
     async def model_info(self) -> WorkerModelInfo:
-        core = self.engine.engine
+        core = self.llm.core
         return WorkerModelInfo(
             model=self.served_model_name,
             max_model_len=core.max_model_len,
@@ -142,15 +142,15 @@ class EngineWorker:
         )
 
     async def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self.llm.stats()
 
     async def check_integrity(self) -> EngineStats:
         """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
-        return await self.engine.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
+        return await self.llm.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine restarts the replica."""
-        if not self.engine.is_running:
+        if not self.llm.is_running:
             raise RuntimeError(f"engine of worker {self.worker_id} is not running")
 
     def __del__(self) -> None:
@@ -163,22 +163,22 @@ class EngineWorker:
         agent, self.agent = getattr(self, "agent", None), None
         if agent is not None:
             agent.close()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-            self.engine = None
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()
+            self.llm = None
 
     def _export_metrics(self) -> None:
         exporter = EngineMetrics(self.role)
         while not self._metrics_stop.wait(METRICS_INTERVAL_S):
-            engine = self.engine
-            if engine is None:
+            llm = self.llm
+            if llm is None:
                 return
-            exporter.export(engine.stats())
+            exporter.export(llm.stats())
 
     def _check_capacity(self) -> None:
-        stats = self.engine.stats()
-        queued = self.engine.num_open_requests - stats.num_running
+        stats = self.llm.stats()
+        queued = self.llm.num_open_requests - stats.num_running
         if queued >= self.max_waiting_requests:
             raise ServerOverloadedError(
                 f"worker {self.worker_id} has {queued} queued requests (limit {self.max_waiting_requests}); retry later"

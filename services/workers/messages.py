@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.sampling_params import SamplingParams
+from ..engine.api.sampling_params import SamplingParams
 from ..kv_transfer.types import KVTransferParams
 
 

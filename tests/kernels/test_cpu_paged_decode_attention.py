@@ -96,7 +96,7 @@ def test_bad_inputs_are_named(paged_context, heads_view):
 
 def test_the_cpp_backend_is_checked_when_the_engine_starts(monkeypatch, llama_dir):
     from baton.services.engine import LLM
-    from baton.services.engine.model_runner import _prepare_cpu_kernels
+    from baton.services.engine.execution.model_runner import _prepare_cpu_kernels
 
     with pytest.raises(ValueError, match="kernel_backend 'cpp' runs on the CPU"):
         _prepare_cpu_kernels("cpp", torch.device("cuda"))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 import threading
 
-from baton.services.engine.block_hash import request_extra_keys
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.kv_events import KVEventPublisher
-from baton.services.engine.request import Request
-from baton.services.engine.sampling_params import SamplingParams
+from baton.services.engine.api.sampling_params import SamplingParams
+from baton.services.engine.core.block_hash import request_extra_keys
+from baton.services.engine.core.kv_cache_manager import KVCacheManager
+from baton.services.engine.core.kv_events import KVEventPublisher
+from baton.services.engine.core.request import Request
 from baton.services.router import WorkerLoad
 
 

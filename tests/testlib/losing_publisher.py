@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baton.services.engine.kv_events import KVCacheSnapshot, KVEvent, KVEventPublisher
+from baton.services.engine.core.kv_events import KVCacheSnapshot, KVEvent, KVEventPublisher
 
 
 class LosingPublisher(KVEventPublisher):

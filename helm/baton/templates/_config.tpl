@@ -58,7 +58,7 @@ Only the engine roles of config.mode are kept.
 
 {{/*
 Serve's placement-group bundles for a tensor-parallel role: bundle 0 holds the replica and
-rank 0, bundles 1.. one rank each (services/engine/tp_executor.py reuses the replica's
+rank 0, bundles 1.. one rank each (services/engine/execution/tp_executor.py reuses the replica's
 group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's pin.
 */}}
 {{- define "baton.placementBundles" -}}

@@ -42,8 +42,8 @@ def test_beams_equal_hf(model_dir, width):
         assert [c.token_ids for c in out.outputs] == ref_tokens
         assert [c.cumulative_logprob for c in out.outputs] == pytest.approx(ref_scores, abs=1e-3)
         assert all(c.finish_reason == "length" for c in out.outputs)
-    llm.engine.check_integrity()
-    assert llm.engine.scheduler.kv.num_free_blocks == 256
+    llm.core.check_integrity()
+    assert llm.core.scheduler.kv.num_free_blocks == 256
 
 
 def test_beams_share_blocks_by_reference(llama_dir):

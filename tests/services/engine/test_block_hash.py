@@ -8,8 +8,8 @@ import random
 import struct
 
 import pytest
-from baton.services.engine import block_hash
-from baton.services.engine.block_hash import BLOCK_HASH_SEED, hash_request_tokens, request_extra_keys
+from baton.services.engine.core import block_hash
+from baton.services.engine.core.block_hash import BLOCK_HASH_SEED, hash_request_tokens, request_extra_keys
 
 CHAINS = {"python": block_hash._chain, "c": block_hash._native_chain}
 
@@ -38,7 +38,7 @@ def chain(request, monkeypatch):
 def test_the_c_chain_is_built():
     """`pip install -e .` builds it (setup.py); without it hashing a prompt costs three times as much."""
     assert CHAINS["c"] is not None, (
-        "baton.services.engine._block_hash is not built: it needs a C compiler and OpenSSL headers"
+        "baton.services.engine.core._block_hash is not built: it needs a C compiler and OpenSSL headers"
     )
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from baton.services.engine.block_pool import BlockPool
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.request import Request
-from baton.services.engine.sampling_params import SamplingParams
+from baton.services.engine.api.sampling_params import SamplingParams
+from baton.services.engine.core.block_pool import BlockPool
+from baton.services.engine.core.kv_cache_manager import KVCacheManager
+from baton.services.engine.core.request import Request
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

@@ -3,10 +3,10 @@ property test over random allocate / extend / free / hit sequences."""
 
 from __future__ import annotations
 
-from baton.services.engine.block_hash import hash_request_tokens
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.request import Request
-from baton.services.engine.sampling_params import SamplingParams
+from baton.services.engine.api.sampling_params import SamplingParams
+from baton.services.engine.core.block_hash import hash_request_tokens
+from baton.services.engine.core.kv_cache_manager import KVCacheManager
+from baton.services.engine.core.request import Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from baton.services.engine.detokenizer import IncrementalDetokenizer
-from baton.services.engine.tokenizer import load_tokenizer
+from baton.services.engine.api.detokenizer import IncrementalDetokenizer
+from baton.services.engine.api.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

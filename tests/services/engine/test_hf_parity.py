@@ -37,8 +37,8 @@ def test_greedy_batched_equals_hf(llm, references):
     prompt_ids, refs = references
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     assert [o.token_ids for o in outs] == [tokens for tokens, _ in refs]
-    llm.engine.check_integrity()
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_kv_blocks
+    llm.core.check_integrity()
+    assert llm.core.scheduler.kv.num_free_blocks == llm.core.num_kv_blocks
 
 
 def test_logprobs_match_hf(llm, references):

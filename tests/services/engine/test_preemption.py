@@ -18,9 +18,9 @@ def test_preemption_keeps_outputs_and_frees_every_block(llama_dir):
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the budget was meant to force preemption"
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert all(o.finish_reason == "length" for o in outs)
-    tight.engine.check_integrity()
-    assert tight.engine.scheduler.kv.num_free_blocks == 10
-    assert not tight.engine.scheduler.kv.req_to_blocks
+    tight.core.check_integrity()
+    assert tight.core.scheduler.kv.num_free_blocks == 10
+    assert not tight.core.scheduler.kv.req_to_blocks
 
 
 def test_seeded_sampling_survives_preemption(llama_dir):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.block_hash import hash_request_tokens
+from baton.services.engine.core.block_hash import hash_request_tokens
+from baton.services.engine.core.kv_events import AllBlocksCleared, BlockStored, InMemoryKVEventPublisher, apply_events
 from baton.services.engine.engine_core import EngineCore
-from baton.services.engine.kv_events import AllBlocksCleared, BlockStored, InMemoryKVEventPublisher, apply_events
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -49,7 +49,7 @@ def test_cached_outputs_equal_uncached_with_exact_hits(llama_dir, prompts, name)
     assert hit.token_ids == miss.token_ids
     assert hit.num_cached_tokens == EXPECTED_CACHED[name]
     assert miss.num_cached_tokens == 0
-    cached.engine.check_integrity()
+    cached.core.check_integrity()
 
 
 def test_hits_within_one_batch(llama_dir, prompts):
@@ -65,13 +65,13 @@ def test_engine_block_hashes_equal_the_standalone_function(llama_dir, prompts):
     all_tokens = prompts["longer"] + out.token_ids
     # Every full block the request computed (the last sampled token is never computed).
     expected = hash_request_tokens(all_tokens[:-1], BLOCK)
-    assert set(expected) <= llm.engine.scheduler.kv.pool.cached_block_hashes()
+    assert set(expected) <= llm.core.scheduler.kv.pool.cached_block_hashes()
     assert len(expected) == (len(all_tokens) - 1) // BLOCK
 
 
 def test_cache_salt_isolates_prefixes(llama_dir, prompts):
     llm = LLM(model=str(llama_dir), num_kv_blocks=128, block_size=BLOCK)
-    engine = llm.engine
+    engine = llm.core
     engine.add_request("a", prompts["base"], GREEDY, cache_salt="tenant-a")
     engine.add_request("b", prompts["base"], GREEDY, cache_salt="tenant-b")
     engine.add_request("c", prompts["base"], GREEDY, cache_salt="tenant-a")
@@ -109,8 +109,8 @@ def test_events_replay_to_the_pool_state(llama_dir):
 def test_stats_report_warm_free_blocks(llama_dir, prompts):
     """The blocks a finished request leaves cached count as warm until the window passes."""
     llm = LLM(model=str(llama_dir), num_kv_blocks=128, block_size=BLOCK, warm_window_s=1)
-    assert llm.engine.stats().num_warm_free_kv_blocks == 0
+    assert llm.core.stats().num_warm_free_kv_blocks == 0
     llm.generate([prompts["base"]], GREEDY)  # 64 + 12 tokens: 4 full blocks cached, 1 partial
-    assert llm.engine.stats().num_warm_free_kv_blocks == 4
+    assert llm.core.stats().num_warm_free_kv_blocks == 4
     time.sleep(2.1)
-    assert llm.engine.stats().num_warm_free_kv_blocks == 0
+    assert llm.core.stats().num_warm_free_kv_blocks == 0

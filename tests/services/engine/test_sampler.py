@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from baton.services.engine.sampler import Sampler, SamplingRow
-from baton.services.engine.sampling_params import SamplingParams
+from baton.services.engine.api.sampling_params import SamplingParams
+from baton.services.engine.execution.sampler import Sampler, SamplingRow
 
 VOCAB = 12
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.2, -2.0])

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.tp_executor import WorkerGroupError
+from baton.services.engine.execution.tp_executor import RankGroupError
 from safetensors.torch import load_file
 from testlib.models import tiny_model
 from testlib.ray_cluster import local_ray
@@ -55,7 +55,7 @@ def test_each_rank_holds_its_slice_of_the_checkpoint(ray_cluster):
     model = tiny_model("llama", num_key_value_heads=1)
     llm = LLM(model=str(model), num_kv_blocks=16, tensor_parallel_size=2)
     try:
-        ranks = llm.engine.executor.named_parameters()
+        ranks = llm.core.executor.named_parameters()
     finally:
         llm.shutdown()
     full = load_file(model / "model.safetensors")
@@ -90,11 +90,11 @@ def test_invalid_sizes_fail_at_start_up(ray_cluster, llama_dir):
 
 def test_a_killed_rank_is_an_error_not_a_hang(ray_cluster, llama_dir):
     llm = LLM(model=str(llama_dir), num_kv_blocks=64, tensor_parallel_size=2, worker_timeout_s=30)
-    executor = llm.engine.executor
+    executor = llm.core.executor
     llm.generate(["warm up"], SamplingParams(max_tokens=2))
     ray_cluster.kill(executor.workers[1])
     start = time.monotonic()
-    with pytest.raises(WorkerGroupError, match="rank 1"):
+    with pytest.raises(RankGroupError, match="rank 1"):
         llm.generate(["after the kill"], SamplingParams(max_tokens=4))
     assert time.monotonic() - start < 30
     assert executor.workers == [] and executor.placement_group is None  # resources released

@@ -44,7 +44,7 @@ def test_prompt_over_the_context_limit(llm):
     prompt = list(range(10, 80))
     with pytest.raises(InvalidRequestError, match="70 tokens.*limit is 64"):
         llm.generate([prompt], SamplingParams())
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.core.has_unfinished_requests()
 
 
 def test_engine_checks_need_the_model(llm):
@@ -61,8 +61,8 @@ def test_engine_checks_need_the_model(llm):
 def test_one_bad_prompt_queues_nothing(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", list(range(100))], SamplingParams())
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.kv.num_free_blocks == 64
+    assert not llm.core.has_unfinished_requests()
+    assert llm.core.scheduler.kv.num_free_blocks == 64
 
 
 def test_unknown_engine_argument(llama_dir):

@@ -1,12 +1,12 @@
-"""The gateway without Ray: error mapping for both APIs, driven through fake placements."""
+"""The gateway without Ray: error mapping for both APIs, driven through fake engine clients."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from baton.services.engine.outputs import CompletionOutput, RequestOutput
+from baton.services.engine.api.outputs import CompletionOutput, RequestOutput
+from baton.services.gateway.engine_client import EngineClient
 from baton.services.gateway.gateway import Gateway, build_http_app
-from baton.services.gateway.placement import Placement
 from baton.services.serving_errors import NoHealthyWorkersError, ServerOverloadedError
 from baton.services.workers.messages import WorkerModelInfo
 from baton.v1 import inference_pb2 as pb
@@ -16,7 +16,7 @@ from testlib.models import tiny_model
 INFO = WorkerModelInfo("tiny", 64, 16, 1, 1024, "colocated", "w@0")
 
 
-class FakePlacement(Placement):
+class FakeEngineClient(EngineClient):
     def __init__(self, error: Exception | None = None, healthy: bool = True) -> None:
         self.error = error
         self.healthy = healthy
@@ -80,7 +80,7 @@ async def grpc_generate(gateway, request):
     ],
 )
 async def test_placement_errors_map_to_codes(tokenizer_dir, error, code, status):
-    gateway = Gateway(FakePlacement(error), tokenizer_dir)
+    gateway = Gateway(FakeEngineClient(error), tokenizer_dir)
     context = await grpc_generate(gateway, pb.GenerateRequest(text="hi"))
     assert context.code == code and str(error) in context.details
     http = TestClient(build_http_app(gateway))
@@ -92,17 +92,17 @@ async def test_placement_errors_map_to_codes(tokenizer_dir, error, code, status)
 
 
 async def test_validation_happens_before_placement(tokenizer_dir):
-    placement = FakePlacement()
-    gateway = Gateway(placement, tokenizer_dir)
+    engine_client = FakeEngineClient()
+    gateway = Gateway(engine_client, tokenizer_dir)
     context = await grpc_generate(gateway, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3] * 80)))
     assert (
         context.code == grpc.StatusCode.INVALID_ARGUMENT and "80 tokens" in context.details and "64" in context.details
     )
-    assert placement.calls == []
+    assert engine_client.calls == []
 
 
 def test_health_reports_503_when_workers_are_down(tokenizer_dir):
-    http = TestClient(build_http_app(Gateway(FakePlacement(healthy=False), tokenizer_dir)))
+    http = TestClient(build_http_app(Gateway(FakeEngineClient(healthy=False), tokenizer_dir)))
     assert http.get("/health").status_code == 503
-    http = TestClient(build_http_app(Gateway(FakePlacement(), tokenizer_dir)))
+    http = TestClient(build_http_app(Gateway(FakeEngineClient(), tokenizer_dir)))
     assert http.get("/health").json() == {"status": "ok"}

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.tokenizer import load_tokenizer
+from baton.services.engine.api.tokenizer import load_tokenizer
 from testlib.baton_client import worker_stats
 from testlib.models import tiny_model
 

@@ -121,7 +121,7 @@ def test_received_bytes_equal_sent_bytes(pair):
     p, d = pair
     first = prefill(p, "r2")
     src_blocks = torch.tensor(first.kv_transfer_params.block_ids)
-    sent = [kv[:, src_blocks].clone() for kv in p.executor.worker.runner.kv_caches]
+    sent = [kv[:, src_blocks].clone() for kv in p.executor.rank.runner.kv_caches]
     d.submit(
         d.prepare(
             "r2",
@@ -135,7 +135,7 @@ def test_received_bytes_equal_sent_bytes(pair):
         d.step()
         p.step()
     dst_blocks = torch.tensor(d.scheduler.kv.get_block_ids("r2")[:5])
-    for layer, kv in enumerate(d.executor.worker.runner.kv_caches):
+    for layer, kv in enumerate(d.executor.rank.runner.kv_caches):
         got = kv[:, dst_blocks]
         # Whole blocks for the 4 full ones; the partial 5th only up to the prompt's end.
         assert torch.equal(got[:, :4], sent[layer][:, :4])

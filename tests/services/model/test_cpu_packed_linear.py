@@ -13,7 +13,7 @@ PROMPTS = ["def foo(x):", "The quick brown fox jumps over the lazy dog because",
 
 def runner(model_dir, kernel_backend: str):
     llm = LLM(model=str(model_dir), kernel_backend=kernel_backend, num_kv_blocks=64, dtype="float32")
-    return llm, llm.engine.executor.worker.runner
+    return llm, llm.core.executor.rank.runner
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -60,7 +60,7 @@ def test_the_torch_backend_keeps_dense_weights_and_both_give_the_same_logits(lla
 
 def test_worker_parameters_read_back_dense(llama_dir):
     llm, packed_runner = runner(llama_dir, "auto")
-    params = llm.engine.executor.worker.named_parameters()
+    params = llm.core.executor.rank.named_parameters()
     weight = params["model.layers.0.mlp.down_proj.weight"]
     assert weight.layout == torch.strided
     assert torch.equal(weight, dense_weight(packed_runner.model.model.layers[0].mlp.down_proj.weight))

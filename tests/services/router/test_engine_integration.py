@@ -7,7 +7,7 @@ import time
 
 import pytest
 from baton.services.engine import AsyncLLM, EngineConfig, EngineCore, SamplingParams
-from baton.services.engine.kv_events import BlockStored, InMemoryKVEventPublisher
+from baton.services.engine.core.kv_events import BlockStored, InMemoryKVEventPublisher
 from baton.services.router import PlacementReason, PrefixRouter, PromptHasher, WorkerAgent
 from testlib.losing_publisher import LosingPublisher
 from testlib.router_setup import make_config, make_index, make_info

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baton.services.engine.kv_events import BlockStored, KVCacheSnapshot
+from baton.services.engine.core.kv_events import BlockStored, KVCacheSnapshot
 from baton.services.router import KVEventBuffer
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from baton.services.engine.block_hash import hash_request_tokens
-from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
+from baton.services.engine.core.block_hash import hash_request_tokens
+from baton.services.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
 from baton.services.router import ApplyStatus, HeartbeatResult, InMemoryPrefixIndex, WorkerLoad, WorkerRole
 from baton.services.router.prefix_index import cached_run
 from testlib.router_setup import make_config, make_index, make_info

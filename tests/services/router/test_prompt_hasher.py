@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from baton.services.engine.block_hash import hash_request_tokens
+from baton.services.engine.core.block_hash import hash_request_tokens
 from baton.services.router import PromptHasher
 
 

@@ -7,8 +7,8 @@ import random
 import threading
 import time
 
-from baton.services.engine.block_hash import hash_request_tokens
-from baton.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
+from baton.services.engine.core.block_hash import hash_request_tokens
+from baton.services.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
 from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad, lua_routing
 from baton.services.router.prefix_index import checkpoint_positions
 from hypothesis import HealthCheck, given, settings

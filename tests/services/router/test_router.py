@@ -6,7 +6,7 @@ import logging
 from collections import Counter
 
 import pytest
-from baton.services.engine.kv_events import KVCacheSnapshot
+from baton.services.engine.core.kv_events import KVCacheSnapshot
 from baton.services.router import IndexConfig, PlacementReason, PrefixRouter, WorkerLoad, WorkerRole
 from testlib.router_setup import make_config, make_index, make_info
 from testlib.waiting import wait_until

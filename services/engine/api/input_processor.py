@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..kv_transfer.types import KVTransferParams
-from ..model.config import ModelArch
-from .config import EngineConfig
-from .errors import InvalidRequestError
+from ...kv_transfer.types import KVTransferParams
+from ...model.config import ModelArch
+from ..config import EngineConfig
+from ..errors import InvalidRequestError
+from .prompt_checks import check_prompt_ids, check_prompt_text
 from .sampling_params import SamplingParams
 
 
@@ -86,23 +87,14 @@ class InputProcessor:
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return prompt, tokenize_prompt(self.tokenizer, prompt)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be integers in [0, {self.arch.vocab_size})")
-        return None, ids
+            check_prompt_text(prompt)
+            ids, field = tokenize_prompt(self.tokenizer, prompt), "prompt"
+        else:
+            ids, field = list(prompt), "prompt_token_ids"
+        check_prompt_ids(ids, self.arch.vocab_size, self.max_model_len, field)
+        return (prompt if isinstance(prompt, str) else None), ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_ids)} tokens but the context limit is "
-                f"{self.max_model_len} (prompt + at least one generated token)",
-            )
         params.validate_for_model(self.arch.vocab_size, self.config.model.max_logprobs)
         if (
             not self.config.scheduler.enable_chunked_prefill

@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ..kv_transfer.types import KVTransferParams
+from ...kv_transfer.types import KVTransferParams
+from ..api.sampling_params import SamplingParams
 from .block_hash import BlockHash, ExtraKeys, hash_request_tokens
-from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

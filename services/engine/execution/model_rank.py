@@ -3,7 +3,7 @@
 In-process for tensor_parallel_size 1 (`UniProcExecutor`), or one Ray actor per rank
 (`RayTPExecutor`). Start-up has phases, so a TP group can form before loading weights:
 
-    Worker(config, arch, rank, world_size)   cheap; no torch.distributed yet
+    ModelRank(config, arch, rank, world_size)   cheap; no torch.distributed yet
     .init_distributed(init_method)           TP > 1 only: joins the group (gloo / NCCL)
     .load_model()                            loads this rank's shard; returns KV blocks that fit
     .initialize_kv_cache(num_blocks)         the same count on every rank
@@ -18,20 +18,20 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..kv_transfer.connector import KVConnector, create_connector
-from ..model.config import ModelArch
-from ..model.linear import dense_weight
-from ..model.parallel import TPGroup, backend_for_device
-from .config import EngineConfig
+from ...kv_transfer.connector import KVConnector, create_connector
+from ...model.config import ModelArch
+from ...model.linear import dense_weight
+from ...model.parallel import TPGroup, backend_for_device
+from ..config import EngineConfig
+from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .cpu_tuning import tune_malloc_for_cpu_inference
 from .model_runner import ModelRunner
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Worker:
+class ModelRank:
     def __init__(
         self, config: EngineConfig, arch: ModelArch, rank: int = 0, world_size: int = 1, num_threads: int | None = None
     ) -> None:
@@ -88,6 +88,10 @@ class Worker:
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def dtype_bytes(self) -> int:
+        """Bytes per weight and KV element, as the runner resolved the configured dtype."""
+        return self.runner.dtype.itemsize
 
     def collective_stats(self) -> tuple[float, int]:
         """Seconds and calls spent in collectives since the last call (benchmarks)."""

@@ -35,7 +35,7 @@ try:
 except ImportError:  # not built (no compiler or OpenSSL headers at install time)
     _native_chain = None
     logging.getLogger(__name__).warning(
-        "baton.services.engine._block_hash is not built: prompts are hashed in Python, about three "
+        "baton.services.engine.core._block_hash is not built: prompts are hashed in Python, about three "
         "times slower (pip install Baton where a C compiler and OpenSSL's headers are present)"
     )
 

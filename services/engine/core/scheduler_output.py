@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kv_transfer.types import KVRecvTask, KVTransferStatus
-from .sampling_params import SamplingParams
+from ...kv_transfer.types import KVRecvTask, KVTransferStatus
+from ..api.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kv_transfer.types import KVTransferParams
+from ...kv_transfer.types import KVTransferParams
+from ..core.request import Request
+from ..core.scheduler_output import SampledToken
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
-from .request import Request
 from .sampling_params import RequestOutputKind, SamplingParams
-from .scheduler_output import SampledToken
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
-"""Where the model runs: in this process (one rank) or on a tensor-parallel worker group.
+"""Where the model runs: in this process (one rank) or on a tensor-parallel rank group.
 
 The engine core talks to an `Executor` only: it sends each step's `SchedulerOutput` and
-gets rank 0's `ModelRunnerOutput` back. `UniProcExecutor` runs one `Worker` in-process
+gets rank 0's `ModelRunnerOutput` back. `UniProcExecutor` runs one `ModelRank` in-process
 (no Ray); `RayTPExecutor` (tp_executor.py) runs one Ray actor per rank.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..model.config import ModelArch
-from .config import EngineConfig
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
-from .worker import Worker
+from ...model.config import ModelArch
+from ..config import EngineConfig
+from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .model_rank import ModelRank
 
 
 class Executor(ABC):
@@ -30,19 +30,19 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ModelArch) -> None:
-        self.worker = Worker(config, arch)
-        self.num_kv_blocks = self.worker.load_model()
-        self.worker.initialize_kv_cache(self.num_kv_blocks)
-        endpoint = self.worker.kv_endpoint()
+        self.rank = ModelRank(config, arch)
+        self.num_kv_blocks = self.rank.load_model()
+        self.rank.initialize_kv_cache(self.num_kv_blocks)
+        endpoint = self.rank.kv_endpoint()
         self.kv_endpoints = (endpoint,) if endpoint else ()
-        self.device_name = self.worker.device_name()
-        self.dtype_bytes = self.worker.runner.dtype.itemsize
+        self.device_name = self.rank.device_name()
+        self.dtype_bytes = self.rank.dtype_bytes()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        return self.rank.execute_model(scheduler_output)
 
     def set_kv_faults(self, faults) -> None:
-        self.worker.set_kv_faults(faults)
+        self.rank.set_kv_faults(faults)
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        self.rank.shutdown()

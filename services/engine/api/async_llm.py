@@ -21,13 +21,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from .config import EngineConfig
-from .engine_core import EngineCore
-from .errors import EngineDeadError, InvalidRequestError
-from .kv_events import KVEventPublisher
+from ..config import EngineConfig
+from ..core.kv_events import KVEventPublisher
+from ..engine_core import EngineCore
+from ..errors import EngineDeadError, InvalidRequestError
+from ..stats import EngineStats
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,17 +83,17 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, kv_event_publisher: KVEventPublisher | None = None, engine: EngineCore | None = None
+        self, config: EngineConfig, kv_event_publisher: KVEventPublisher | None = None, core: EngineCore | None = None
     ) -> None:
-        self.engine = engine or EngineCore(config, kv_event_publisher)
-        self.config = self.engine.config
+        self.core = core or EngineCore(config, kv_event_publisher)
+        self.config = self.core.config
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._stats = self.engine.stats()
+        self._stats = self.core.stats()
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -105,7 +105,7 @@ class AsyncLLM:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
     @property
     def is_running(self) -> bool:
@@ -122,7 +122,7 @@ class AsyncLLM:
         """Validates now (raising InvalidRequestError) and returns the request's output stream.
         `handover`: disaggregation arguments of `InputProcessor.prepare` (kv_lease, ...)."""
         self._check_alive()
-        prepared = self.engine.prepare(request_id, prompt, params, cache_salt, **handover)
+        prepared = self.core.prepare(request_id, prompt, params, cache_salt, **handover)
         stream = RequestStream(request_id, self)
         with self._streams_lock:
             if request_id in self._streams:
@@ -157,7 +157,7 @@ class AsyncLLM:
             return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
-        self._send(lambda: self.engine.abort_request(request_id))
+        self._send(lambda: self.core.abort_request(request_id))
 
     async def run_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
         """Runs fn(engine_core) on the engine thread between steps and returns its result."""
@@ -166,7 +166,7 @@ class AsyncLLM:
 
         def call() -> None:
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(fn(self.core))
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 
@@ -181,7 +181,7 @@ class AsyncLLM:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
-        self.engine.shutdown()
+        self.core.shutdown()
 
     # -- internals --------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class AsyncLLM:
 
     def _submit(self, prepared) -> None:
         try:
-            self.engine.submit(prepared)
+            self.core.submit(prepared)
         except InvalidRequestError as e:
             self._deliver_error(prepared.request_id, e)
 
@@ -214,24 +214,24 @@ class AsyncLLM:
             while not self._stopping:
                 while self._commands:
                     self._commands.popleft()()
-                if not self.engine.has_unfinished_requests() and not self.engine.needs_polling():
-                    self.engine.publish_kv_events()  # an idle engine still answers snapshot requests
-                    self._stats = self.engine.stats()  # aborts free blocks, and warm blocks cool while idle
+                if not self.core.has_unfinished_requests() and not self.core.needs_polling():
+                    self.core.publish_kv_events()  # an idle engine still answers snapshot requests
+                    self._stats = self.core.stats()  # aborts free blocks, and warm blocks cool while idle
                     self._wakeup.wait(timeout=_IDLE_TICK_S)
                     self._wakeup.clear()
                     continue
-                outputs = self.engine.step()
-                if self.engine.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
+                outputs = self.core.step()
+                if self.core.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
                     self._wakeup.wait(timeout=_POLL_TICK_S)
                     self._wakeup.clear()
-                self._stats = self.engine.stats()
+                self._stats = self.core.stats()
                 with self._streams_lock:
                     for output in outputs:
                         stream = self._streams.get(output.request_id)
                         if stream is not None and not stream.put(output):
                             # Its reader's event loop is gone: nobody will read this request.
                             del self._streams[output.request_id]
-                            self.engine.abort_request(output.request_id)
+                            self.core.abort_request(output.request_id)
         except BaseException as e:
             logger.exception("engine loop failed")
             self._dead = e

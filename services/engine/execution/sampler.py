@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
-from .scheduler_output import SampledToken
+from ..api.sampling_params import SamplingParams
+from ..core.scheduler_output import SampledToken
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker group: one Ray actor per rank, gang-scheduled.
+"""A tensor-parallel rank group: one Ray actor per rank, gang-scheduled.
 
 The driver (the engine core's process) owns the scheduler and sends every step's typed
 `SchedulerOutput` to all ranks at once; the ranks run the forward pass in lockstep,
@@ -9,7 +9,7 @@ next step, so all ranks hold the same token history).
 Ranks are placed with a placement group (STRICT_PACK on one node by default); inside a
 Ray Serve replica that already reserved bundles, the group uses the replica's own.
 A rank that dies or a step that outlasts `worker_timeout_s` ends the group: the caller
-gets `WorkerGroupError`, the actors and the placement group are released.
+gets `RankGroupError`, the actors and the placement group are released.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from __future__ import annotations
 import logging
 import time
 
-from ..kv_transfer.types import KVTransferStatus
-from ..model.config import ModelArch
-from ..ray_env import ensure_ray
-from .config import EngineConfig
-from .errors import EngineDeadError
+from ...kv_transfer.types import KVTransferStatus
+from ...model.config import ModelArch
+from ...ray_env import ensure_ray
+from ..config import EngineConfig
+from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..errors import EngineDeadError
 from .executor import Executor
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
-from .worker import Worker
+from .model_rank import ModelRank
 
 logger = logging.getLogger(__name__)
 
 _PLACEMENT_TIMEOUT_S = 60.0
 
 
-class WorkerGroupError(EngineDeadError):
+class RankGroupError(EngineDeadError):
     """A tensor-parallel rank died or stopped answering; the group has been torn down."""
 
 
@@ -69,8 +69,8 @@ class RayTPExecutor(Executor):
                     f"within {_PLACEMENT_TIMEOUT_S:.0f}s"
                 ) from e
 
-        actor_class = ray.remote(Worker)
-        self.workers = [
+        actor_class = ray.remote(ModelRank)
+        self.ranks = [
             actor_class.options(
                 num_cpus=1,
                 num_gpus=1 if use_gpu else 0,
@@ -81,14 +81,15 @@ class RayTPExecutor(Executor):
             for rank in range(size)
         ]
         try:
-            ((host, port),) = self._wait_all([self.workers[0].node_address.remote()])
-            self._wait_all([w.init_distributed.remote(f"tcp://{host}:{port}") for w in self.workers])
-            self.num_kv_blocks = min(self._wait_all([w.load_model.remote() for w in self.workers]))
-            self._wait_all([w.initialize_kv_cache.remote(self.num_kv_blocks) for w in self.workers])
-            endpoints = self._wait_all([w.kv_endpoint.remote() for w in self.workers])
+            ((host, port),) = self._wait_all([self.ranks[0].node_address.remote()])
+            self._wait_all([r.init_distributed.remote(f"tcp://{host}:{port}") for r in self.ranks])
+            self.num_kv_blocks = min(self._wait_all([r.load_model.remote() for r in self.ranks]))
+            self._wait_all([r.initialize_kv_cache.remote(self.num_kv_blocks) for r in self.ranks])
+            endpoints = self._wait_all([r.kv_endpoint.remote() for r in self.ranks])
             self.kv_endpoints = tuple(endpoints) if all(endpoints) else ()
-            (self.device_name,) = self._wait_all([self.workers[0].device_name.remote()])
-            self.dtype_bytes = 4 if config.model.dtype in ("float32", "auto") and not use_gpu else 2
+            self.device_name, self.dtype_bytes = self._wait_all(
+                [self.ranks[0].device_name.remote(), self.ranks[0].dtype_bytes.remote()]
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -98,23 +99,23 @@ class RayTPExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ref = self.ray.put(scheduler_output)  # serialised once for every rank
-        outputs = self._wait_all([w.execute_model.remote(ref) for w in self.workers])
+        outputs = self._wait_all([r.execute_model.remote(ref) for r in self.ranks])
         result = outputs[0]
         if any(o.kv_transfer for o in outputs):
             result.kv_transfer = self._transfers.merge([o.kv_transfer for o in outputs])
         return result
 
     def set_kv_faults(self, faults) -> None:
-        self._wait_all([w.set_kv_faults.remote(faults) for w in self.workers])
+        self._wait_all([r.set_kv_faults.remote(faults) for r in self.ranks])
 
     def named_parameters(self) -> list[dict]:
         """Every rank's parameters (for inspection and tests)."""
-        return self._wait_all([w.named_parameters.remote() for w in self.workers])
+        return self._wait_all([r.named_parameters.remote() for r in self.ranks])
 
     def shutdown(self) -> None:
-        for worker in getattr(self, "workers", []):
-            self.ray.kill(worker, no_restart=True)
-        self.workers = []
+        for rank in getattr(self, "ranks", []):
+            self.ray.kill(rank, no_restart=True)
+        self.ranks = []
         self._release()
 
     # -- internals --------------------------------------------------------------------
@@ -129,13 +130,13 @@ class RayTPExecutor(Executor):
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
             if not ready:
                 self.shutdown()
-                raise WorkerGroupError(f"a tensor-parallel step took longer than {self.timeout_s:g}s; group stopped")
+                raise RankGroupError(f"a tensor-parallel step took longer than {self.timeout_s:g}s; group stopped")
             try:
                 ray.get(ready[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 rank = refs.index(ready[0])
                 self.shutdown()
-                raise WorkerGroupError(f"tensor-parallel rank {rank} failed: {e}") from e
+                raise RankGroupError(f"tensor-parallel rank {rank} failed: {e}") from e
         return ray.get(refs)
 
     def _release(self) -> None:

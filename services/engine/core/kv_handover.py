@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..kv_transfer.types import KVRecvTask, KVTransferStatus
+from ...kv_transfer.types import KVRecvTask, KVTransferStatus
 from .kv_cache_manager import KVCacheManager, cdiv
 from .request import Request, RequestStatus
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kv_transfer.types import KVTransferParams
+from ...kv_transfer.types import KVTransferParams
 
 
 @dataclass(slots=True)

@@ -17,16 +17,16 @@ import torch
 from baton.kernels import cpu_ops
 from baton.kernels.ops import KernelImpl
 
-from ..kv_transfer.connector import KVConnector
-from ..model.attention import AttentionMetadata, PagedAttentionBackend
-from ..model.config import ModelArch
-from ..model.linear import process_weights_after_loading
-from ..model.loader import load_weights
-from ..model.parallel import TPGroup
-from ..model.registry import create_model
+from ...kv_transfer.connector import KVConnector
+from ...model.attention import AttentionMetadata, PagedAttentionBackend
+from ...model.config import ModelArch
+from ...model.linear import process_weights_after_loading
+from ...model.loader import load_weights
+from ...model.parallel import TPGroup
+from ...model.registry import create_model
+from ..api.sampling_params import SamplingParams
+from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .sampler import Sampler, SamplingRow
-from .sampling_params import SamplingParams
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)

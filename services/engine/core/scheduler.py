@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..kv_transfer.types import KVTransferStatus
-from .config import CacheConfig, SchedulerConfig
+from ...kv_transfer.types import KVTransferStatus
+from ..config import CacheConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEvent
 from .kv_handover import KVHandover

@@ -7,8 +7,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from .config import EngineConfig
-from .engine_core import EngineCore
+from ..config import EngineConfig
+from ..engine_core import EngineCore
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,12 +25,12 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.engine = EngineCore(self.config)
+        self.core = EngineCore(self.config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
     def generate(
         self,
@@ -44,18 +44,18 @@ class LLM:
         prepared = []
         for prompt, sp in zip(prompts, params):
             final = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            prepared.append(self.engine.prepare(f"offline-{next(self._ids)}", _prompt_value(prompt), final))
+            prepared.append(self.core.prepare(f"offline-{next(self._ids)}", _prompt_value(prompt), final))
         for request in prepared:  # every prompt validated before any is queued
-            self.engine.submit(request)
+            self.core.submit(request)
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+        while self.core.has_unfinished_requests():
+            for output in self.core.step():
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request.request_id] for request in prepared]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.core.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..api.sampling_params import SamplingParams
 from .request import Request
-from .sampling_params import SamplingParams
 from .scheduler_output import SampledToken
 
 

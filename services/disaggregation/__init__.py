@@ -1,0 +1,1 @@
+"""Disaggregated prefill and decode: see client.py for who owns each part of the handover."""

@@ -1,0 +1,76 @@
+"""The gateway's side of disaggregated serving: prefill on one deployment, decode on another.
+
+The whole choreography, and who owns each part:
+
+    gateway      DisaggregatedClient (here): prefill call -> first token streamed at once
+                 -> decode call with the first token and the K/V's whereabouts
+    engine       engine/api/handover.py: the `Handover` a request carries (a lease on the
+                 prefill side; first tokens + remote K/V on the decode side) and the one rule
+                 for whether a request continues after prefill; engine/core/kv_handover.py:
+                 leases and receives in the scheduler
+    workers      workers/engine_worker.py: the `prefill` and `decode` Serve methods
+    transport    kv_transfer/: the connectors that move the blocks (gloo/NCCL, NIXL)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from ..engine.api.outputs import RequestOutput
+from ..gateway.engine_client import ColocatedClient, EngineClient, PlacementTrace, answers, until_finished
+from ..workers.messages import DecodeCall, GenerateCall, WorkerModelInfo
+
+
+class DisaggregatedClient(EngineClient):
+    """Prefill on one deployment, decode on another, the KV cache handed over between them.
+
+        prefill.prefill(call)  -> first token (streamed at once) + where the prompt's K/V is
+        decode.decode(call, first token, K/V params) -> the rest; the decode worker fetches the
+        K/V (or recomputes the prompt if the transfer fails)
+
+    Requests with n > 1 or beam search run whole on a decode worker (kv_path "local").
+    """
+
+    def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
+        self.prefill = prefill_handle
+        self.decode = decode_handle
+
+    async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        if call.params.n > 1 or call.params.use_beam_search:
+            trace.kv_path = "local"
+            async for output in ColocatedClient(self.decode).stream(call, trace):
+                yield output
+            return
+        first = await self.prefill.prefill.remote(call)
+        kv = first.kv_transfer_params
+        if kv is None:  # it ended at the first token: nothing to hand over
+            trace.kv_path = "prefill-only"
+            yield first
+            return
+        trace.prefill_worker = kv.source_worker_id
+        yield _unfinished(first)
+        response = self.decode.options(stream=True).decode.remote(DecodeCall(call, first.token_ids, kv))
+        async with aclosing(until_finished(response)) as outputs:
+            async for output in outputs:
+                trace.kv_path = output.kv_path or trace.kv_path
+                output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
+                yield output
+
+    async def model_info(self) -> WorkerModelInfo:
+        return await self.decode.model_info.remote()
+
+    async def is_healthy(self) -> bool:
+        return await answers(self.prefill) and await answers(self.decode)
+
+    @property
+    def roles(self) -> list[str]:
+        return ["prefill", "decode"]
+
+
+def _unfinished(output: RequestOutput) -> RequestOutput:
+    """The prefill side's output as the first delta of a request that goes on."""
+    completions = [dataclasses.replace(c, finish_reason=None, stop_reason=None) for c in output.outputs]
+    return dataclasses.replace(output, outputs=completions, finished=False)
