@@ -219,7 +219,7 @@ def model_path(name: str) -> str | None:
 
 def run_arm(args: argparse.Namespace, arm: str, out_dir: Path) -> None:
     """One configuration: start it, run the sweep, write the result, stop it (this process only)."""
-    from baton.services.app.launcher import LocalDeployment, resolve_config
+    from baton.services.launcher.launcher import LocalDeployment, resolve_config
     from baton.services.loadtest.benchmark import BenchmarkSpec, run_benchmark_sync
     from baton.services.loadtest.metrics import Slo
     from baton.services.loadtest.plots import write_run_plots

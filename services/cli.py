@@ -24,7 +24,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .app.launcher import serve_forever
+    from .launcher.launcher import serve_forever
 
     return serve_forever(args.config, args.model)
 

@@ -12,7 +12,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import copy
+import functools
+from collections.abc import Callable
+
 import pytest
+from testlib.helm_binary import HelmUnavailable, helm_binary
+from testlib.helm_chart import HelmChart, Manifest, values_file
 from testlib.models import tiny_model
 
 
@@ -29,3 +35,22 @@ def qwen3_dir() -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def model_dir(request) -> Path:
     return tiny_model(request.param)
+
+
+# The Helm chart, for tests/helm and the Serve entry point's tests: the real helm binary
+# (fetched once, see tests/testlib/helm_binary.py) and each values file of helm/values
+# rendered once per session.
+@pytest.fixture(scope="session")
+def chart() -> HelmChart:
+    try:
+        return HelmChart(helm_binary())
+    except HelmUnavailable as e:
+        pytest.fail(f"the chart checks need the helm binary: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def rendered(chart: HelmChart) -> Callable[[str], list[Manifest]]:
+    """`rendered("gpu-tp2")`: the objects `helm template` prints for that values file (a fresh
+    copy each call, so a test may change them)."""
+    render = functools.cache(lambda name: chart.render([values_file(name)]))
+    return lambda name: copy.deepcopy(render(name))

@@ -3,7 +3,7 @@ decode role, registers itself with the router's Redis registry, publishes its KV
 and load, and streams outputs back to the gateway.
 
 A plain class: the constructor is synchronous and takes its dependencies, so unit tests
-build it without Ray; `services/app/builder.py` turns it into a Serve deployment.
+build it without Ray; `services/serve_app/builder.py` turns it into a Serve deployment.
 """
 
 from __future__ import annotations

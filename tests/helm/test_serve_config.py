@@ -7,8 +7,8 @@ import math
 
 import pytest
 import yaml
-from baton.services.app.launcher import GRPC_SERVICERS
 from baton.services.config import BatonConfig, load_config
+from baton.services.launcher.launcher import GRPC_SERVICERS
 from testlib.helm_chart import (
     VALUES_FILES,
     baton_config,
@@ -30,7 +30,7 @@ def test_serve_config_is_valid_for_serve_and_baton(rendered, name: str, tmp_path
     serve = serve_config(objects)
     ServeDeploySchema.model_validate(serve)  # what KubeRay hands to Serve's REST API
     (app,) = serve["applications"]
-    assert app["import_path"] == "baton.services.app.serve_entry:app"
+    assert app["import_path"] == "baton.services.serve_app.serve_entry:app"
     assert serve["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICERS
     assert serve["http_options"]["host"] == "0.0.0.0"
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from baton.services.app.launcher import LocalDeployment, resolve_config
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
 from baton.services.kv_transfer.config import FaultInjection
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from baton.services.ray_env import import_ray
 from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import collect, greedy_request, worker_stats
@@ -173,7 +173,7 @@ def test_prefill_replica_killed_after_the_first_token(cluster, client, offline):
 
 
 def test_adding_a_decode_replica_does_not_disturb_running_requests(cluster, client, offline):
-    from baton.services.app.builder import build_app
+    from baton.services.serve_app.builder import build_app
     from ray import serve
 
     results, errors = [], []

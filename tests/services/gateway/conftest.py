@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from baton.services.app.launcher import LocalDeployment, resolve_config
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.models import tiny_model
 
 pytestmark = pytest.mark.ray

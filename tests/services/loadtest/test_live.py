@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from baton.services.app.launcher import LocalDeployment, resolve_config
 from baton.services.cli import main as baton_main
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from baton.services.loadtest.benchmark import BenchmarkSpec, run_benchmark_sync
 from baton.services.loadtest.errors import BenchInputError
 from baton.services.loadtest.lengths import LengthDistribution as L

@@ -8,8 +8,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from baton.services.app.launcher import LocalDeployment, resolve_config
 from baton.services.client import BatonClient
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import collect, greedy_request
 from testlib.models import tiny_model
 

@@ -100,7 +100,7 @@ class LocalDeployment:
         from ray import serve
         from ray.serve.config import gRPCOptions
 
-        from .builder import build_app
+        from ..serve_app.builder import build_app
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self.config

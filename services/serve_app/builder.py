@@ -46,7 +46,7 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .request_router import BatonRequestRouter, RoundRobinRequestRouter
+    from ..router.serve_request_router import BatonRequestRouter, RoundRobinRequestRouter
 
     section = config.deployment(role)
     options = section.serve_options()

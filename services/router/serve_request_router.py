@@ -30,10 +30,10 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from .. import metrics
 from ..engine.core.block_hash import BlockHash
-from ..router.config import RouterConfig
-from ..router.policy import Placement, RankedWorker
-from ..router.router import PrefixRouter
 from ..workers.messages import DecodeCall, GenerateCall
+from .config import RouterConfig
+from .policy import Placement, RankedWorker
+from .router import PrefixRouter
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""services/app/serve_entry.py, the import path the chart's serveConfigV2 names: the rendered
+"""services/serve_app/serve_entry.py, the import path the chart's serveConfigV2 names: the rendered
 args go through Serve's own builder call and app build (no cluster needed), and the
 serveConfigV2 deployment overrides apply to the deployments Baton builds."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 import yaml
-from baton.services.app.serve_entry import ServeArgs, app, load_serve_config
 from baton.services.config import BatonConfig
+from baton.services.serve_app.serve_entry import ServeArgs, app, load_serve_config
 from testlib.helm_chart import VALUES_FILES, serve_config
 
 

@@ -2,7 +2,7 @@
 
     applications:
       - name: baton
-        import_path: baton.services.app.serve_entry:app
+        import_path: baton.services.serve_app.serve_entry:app
         route_prefix: /
         args:
           config: {mode: disaggregated, engine: {...}, ...}   # the Baton config inline, and/or

@@ -1,1 +1,0 @@
-"""The Ray Serve application: builder functions and the `baton serve` launcher."""
