@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from ..engine.api.handover import Handover, KVPath, can_disaggregate
 from ..engine.api.outputs import RequestOutput
 from ..gateway.engine_client import ColocatedClient, EngineClient, PlacementTrace, answers, until_finished
 from ..workers.messages import DecodeCall, GenerateCall, WorkerModelInfo
@@ -31,7 +32,8 @@ class DisaggregatedClient(EngineClient):
         decode.decode(call, first token, K/V params) -> the rest; the decode worker fetches the
         K/V (or recomputes the prompt if the transfer fails)
 
-    Requests with n > 1 or beam search run whole on a decode worker (kv_path "local").
+    Requests that cannot be split (`can_disaggregate`: n > 1, beam search) run whole on a
+    decode worker (KVPath.LOCAL).
     """
 
     def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
@@ -39,23 +41,26 @@ class DisaggregatedClient(EngineClient):
         self.decode = decode_handle
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        if call.params.n > 1 or call.params.use_beam_search:
-            trace.kv_path = "local"
+        if not can_disaggregate(call.params):
+            trace.kv_path = KVPath.LOCAL
             async for output in ColocatedClient(self.decode).stream(call, trace):
                 yield output
             return
         first = await self.prefill.prefill.remote(call)
         kv = first.kv_transfer_params
         if kv is None:  # it ended at the first token: nothing to hand over
-            trace.kv_path = "prefill-only"
+            trace.kv_path = KVPath.PREFILL_ONLY
+            trace.prefill_worker = first.worker_id
             yield first
             return
         trace.prefill_worker = kv.source_worker_id
         yield _unfinished(first)
-        response = self.decode.options(stream=True).decode.remote(DecodeCall(call, first.token_ids, kv))
+        handover = Handover.decode(first.token_ids, kv)
+        response = self.decode.options(stream=True).decode.remote(DecodeCall(call, handover))
         async with aclosing(until_finished(response)) as outputs:
             async for output in outputs:
                 trace.kv_path = output.kv_path or trace.kv_path
+                trace.decode_worker = output.worker_id
                 output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
                 yield output
 

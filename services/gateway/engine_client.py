@@ -10,21 +10,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ..engine.api.handover import KVPath
 from ..engine.api.outputs import RequestOutput
 from ..workers.messages import GenerateCall, WorkerModelInfo
 
 
 @dataclass(slots=True)
 class PlacementTrace:
-    """Where a request ran; reported in the response's timings."""
+    """Where a request ran; reported in the response's timings (proto `Timings`)."""
 
-    kv_path: str = "colocated"  # "colocated" | "transferred" | "recomputed"
-    prefill_worker: str = ""
+    kv_path: KVPath = KVPath.COLOCATED
+    prefill_worker: str = ""  # worker ids; a colocated worker is both
     decode_worker: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineClient(ABC):
@@ -51,6 +51,9 @@ class ColocatedClient(EngineClient):
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
         async with aclosing(until_finished(self.worker.options(stream=True).generate.remote(call))) as outputs:
             async for output in outputs:
+                trace.decode_worker = output.worker_id
+                if trace.kv_path is KVPath.COLOCATED:
+                    trace.prefill_worker = output.worker_id
                 yield output
 
     async def model_info(self) -> WorkerModelInfo:

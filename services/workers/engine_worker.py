@@ -15,21 +15,22 @@ import uuid
 from collections.abc import AsyncIterator
 
 from ..engine.api.async_llm import AsyncLLM
+from ..engine.api.handover import Handover
 from ..engine.api.outputs import RequestOutput
 from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
 from ..engine.stats import EngineStats
 from ..metrics import EngineMetrics
+from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
-from ..router.worker_info import WorkerInfo, WorkerRole, new_epoch
+from ..router.worker_info import WorkerInfo, new_epoch
 from ..serving_errors import ServerOverloadedError
 from .messages import DecodeCall, GenerateCall, WorkerModelInfo
 
 logger = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0
-_ROLES = {"colocated": WorkerRole.BOTH, "prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE}
 
 
 class EngineWorker:
@@ -52,7 +53,7 @@ class EngineWorker:
             # A replica's rank is its stable slot: its replacement's new epoch wipes its entries at once.
             name=f"{role}-{serve_name}" if serve_name else f"{role}-{address.rsplit('#', 1)[-1]}",
             epoch=new_epoch(),
-            role=_ROLES[role],
+            role=Role(role),
             model=served_model_name,
             block_size=engine_config.cache.block_size,
             tp_size=engine_config.parallel.tensor_parallel_size,
@@ -60,8 +61,11 @@ class EngineWorker:
         )
         if router_config is not None:
             self.agent = WorkerAgent.from_config(router_config, self.info)
-        self.llm = AsyncLLM(engine_config, kv_event_publisher=self.agent.publisher if self.agent else None)
-        self.llm.core.worker_id = self.info.worker_id
+        self.llm = AsyncLLM(
+            engine_config,
+            kv_event_publisher=self.agent.publisher if self.agent else None,
+            worker_id=self.info.worker_id,
+        )
         if self.agent is not None:
             self.agent.start(self.llm.stats)
         self._metrics_stop = threading.Event()
@@ -87,10 +91,9 @@ class EngineWorker:
         """Prefill role: runs the prompt and samples the first token. When the request goes
         on, the prompt's blocks stay leased and the output's `kv_transfer_params` say where."""
         self._check_capacity()
-        params = dataclasses.replace(call.params, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
-        continues = (call.params.max_tokens or 2) > 1
+        params = dataclasses.replace(call.params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.llm.add_request(
-            call.request_id, call.prompt_token_ids, params, call.cache_salt, kv_lease=continues
+            call.request_id, call.prompt_token_ids, params, call.cache_salt, handover=Handover.prefill()
         )
         try:
             async for output in stream:
@@ -106,12 +109,7 @@ class EngineWorker:
         self._check_capacity()
         call = decode.call
         stream = self.llm.add_request(
-            call.request_id,
-            call.prompt_token_ids,
-            call.params,
-            call.cache_salt,
-            output_prefix=decode.first_token_ids,
-            remote_kv=decode.kv,
+            call.request_id, call.prompt_token_ids, call.params, call.cache_salt, handover=decode.handover
         )
         try:
             async for output in stream:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.api.handover import Handover
 from ..engine.api.sampling_params import SamplingParams
-from ..kv_transfer.types import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -18,11 +18,10 @@ class GenerateCall:
 
 @dataclass(slots=True)
 class DecodeCall:
-    """Continue a request prefilled elsewhere: its first token and where its K/V is."""
+    """Continue a request prefilled elsewhere: its decode-side handover (first token, K/V)."""
 
     call: GenerateCall
-    first_token_ids: list[int]
-    kv: KVTransferParams
+    handover: Handover
 
 
 @dataclass(frozen=True, slots=True)

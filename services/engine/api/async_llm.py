@@ -26,6 +26,7 @@ from ..core.kv_events import KVEventPublisher
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError, InvalidRequestError
 from ..stats import EngineStats
+from .handover import Handover
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -83,9 +84,13 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, kv_event_publisher: KVEventPublisher | None = None, core: EngineCore | None = None
+        self,
+        config: EngineConfig,
+        kv_event_publisher: KVEventPublisher | None = None,
+        core: EngineCore | None = None,
+        worker_id: str = "",
     ) -> None:
-        self.core = core or EngineCore(config, kv_event_publisher)
+        self.core = core or EngineCore(config, kv_event_publisher, worker_id=worker_id)
         self.config = self.core.config
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
@@ -117,12 +122,12 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
-        **handover,
+        handover: Handover | None = None,
     ) -> RequestStream:
         """Validates now (raising InvalidRequestError) and returns the request's output stream.
-        `handover`: disaggregation arguments of `InputProcessor.prepare` (kv_lease, ...)."""
+        `handover`: which side of a P/D handover this request is (engine/api/handover.py)."""
         self._check_alive()
-        prepared = self.core.prepare(request_id, prompt, params, cache_salt, **handover)
+        prepared = self.core.prepare(request_id, prompt, params, cache_salt, handover=handover)
         stream = RequestStream(request_id, self)
         with self._streams_lock:
             if request_id in self._streams:

@@ -8,14 +8,13 @@ it too, so the block hashes a router computes match the engine's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...kv_transfer.types import KVTransferParams
 from ...model.config import ModelArch
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
+from .handover import Handover, can_disaggregate
 from .prompt_checks import check_prompt_ids, check_prompt_text
 from .sampling_params import SamplingParams
 
@@ -37,9 +36,12 @@ class PreparedRequest:
     seed: int | None
     cache_salt: str | None
     arrival_time: float
-    kv_lease: bool = False  # prefill side: keep the prompt's blocks for a decode worker
-    output_prefix: tuple[int, ...] = ()  # decode side: tokens already generated elsewhere
-    remote_kv: KVTransferParams | None = None  # decode side: where the prompt's K/V is
+    handover: Handover | None = None  # disaggregation: which side of a P/D handover
+
+    @property
+    def output_prefix(self) -> tuple[int, ...]:
+        """Tokens already generated elsewhere (decode side: the prefill worker's)."""
+        return self.handover.first_token_ids if self.handover is not None else ()
 
 
 class InputProcessor:
@@ -56,21 +58,18 @@ class InputProcessor:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        kv_lease: bool = False,
-        output_prefix: Sequence[int] = (),
-        remote_kv: KVTransferParams | None = None,
+        handover: Handover | None = None,
     ) -> PreparedRequest:
         """Tokenizes and validates; raises InvalidRequestError naming the field.
 
-        Disaggregation: `kv_lease` (prefill side) keeps the prompt's blocks for a decode
-        worker when the request stops at its length limit; `output_prefix` and `remote_kv`
-        (decode side) continue a request whose prompt was prefilled elsewhere.
+        `handover` (engine/api/handover.py): the prefill side runs the prompt and the first
+        token, the decode side continues a request whose prompt was prefilled elsewhere.
         """
         params = params or SamplingParams()
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
-        if kv_lease or output_prefix or remote_kv is not None:
-            self._validate_handover(prompt_ids, params, output_prefix, remote_kv)
+        if handover is not None:
+            self._validate_handover(prompt_ids, params, handover)
         return PreparedRequest(
             request_id=request_id,
             prompt=prompt_text,
@@ -80,9 +79,7 @@ class InputProcessor:
             seed=params.seed,
             cache_salt=cache_salt,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            kv_lease=kv_lease,
-            output_prefix=tuple(output_prefix),
-            remote_kv=remote_kv,
+            handover=handover,
         )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -110,10 +107,10 @@ class InputProcessor:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        output_prefix: Sequence[int],
-        remote_kv: KVTransferParams | None,
+        handover: Handover,
     ) -> None:
-        if params.n != 1 or params.use_beam_search:
+        output_prefix, remote_kv = handover.first_token_ids, handover.remote_kv
+        if not can_disaggregate(params):
             raise InvalidRequestError("n", "a disaggregated request has one sample and no beam search")
         if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
             raise InvalidRequestError(

@@ -11,6 +11,7 @@ from ...kv_transfer.types import KVTransferParams
 from ..core.request import Request
 from ..core.scheduler_output import SampledToken
 from .detokenizer import IncrementalDetokenizer
+from .handover import KVPath
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,7 +42,7 @@ class RequestState:
     num_cached_tokens: int = 0
     touched: bool = False  # has news since the last output
     kv_transfer_params: KVTransferParams | None = None
-    kv_path: str | None = None
+    kv_path: KVPath | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,8 +50,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, worker_id: str = "") -> None:
         self.tokenizer = tokenizer
+        self.worker_id = worker_id  # stamped on every output: which engine worker produced it
         self.states: dict[str, RequestState] = {}
 
     def add_request(
@@ -218,4 +220,5 @@ class OutputProcessor:
             state.metrics,
             state.kv_transfer_params if finished else None,
             state.kv_path,
+            self.worker_id,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...kv_transfer.types import KVTransferParams
+from .handover import KVPath
 
 
 @dataclass(slots=True)
@@ -41,10 +42,6 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -57,8 +54,9 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     # Disaggregation. Prefill side: where a decode worker fetches this prompt's K/V.
     kv_transfer_params: KVTransferParams | None = None
-    # Decode side: how the prompt's K/V got here ("transferred" | "recomputed").
-    kv_path: str | None = None
+    # Decode side: how the prompt's K/V got here (TRANSFERRED | RECOMPUTED).
+    kv_path: KVPath | None = None
+    worker_id: str = ""  # the engine worker that produced it ("" offline)
 
     # Shortcuts for the common single-sample case.
     @property

@@ -1,12 +1,12 @@
 """The scheduler's side of the KV handover: leases (prefill) and receives (decode).
 
-Prefill side. A request with `kv_lease` that stops at its length limit keeps its blocks:
+Prefill side. A request that continues after prefill (see engine/api/handover.py) keeps its blocks:
 
     finish -> lease(request)      blocks held; the runners learn (transfer id -> block ids)
     sender reports done/failed -> release()   blocks freed; runners forget the lease
     nobody came by `lease_s`   -> expire()    the same, at the deadline
 
-Decode side. A request with `remote_kv` gets blocks for its prompt first (after any local
+Decode side. A request with a decode-side handover gets blocks for its prompt first (after any local
 prefix hit), then waits while the runners receive into them:
 
     admit -> start_recv()         WAITING_FOR_REMOTE_KV, a KVRecvTask for the runners
@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ...kv_transfer.types import KVRecvTask, KVTransferStatus
+from ..api.handover import KVPath
 from .kv_cache_manager import KVCacheManager, cdiv
 from .request import Request, RequestStatus
 
@@ -111,12 +112,12 @@ class KVHandover:
                 continue
             if request_id in status.finished_recving:
                 self.num_recv_ok += 1
-                request.kv_path = "transferred"
+                request.kv_path = KVPath.TRANSFERRED
                 request.num_computed_tokens = request.remote_kv.num_tokens
                 self.kv.cache_computed(request)
             else:
                 self.num_recv_failed += 1
-                request.kv_path = "recomputed"  # from the local prefix hit onwards
+                request.kv_path = KVPath.RECOMPUTED  # from the local prefix hit onwards
             request.status = RequestStatus.RUNNING
             ready.append(request)
         return ready

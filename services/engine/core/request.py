@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from ...kv_transfer.types import KVTransferParams
+from ..api.handover import Handover, KVPath
 from ..api.sampling_params import SamplingParams
 from .block_hash import BlockHash, ExtraKeys, hash_request_tokens
 
@@ -50,10 +51,9 @@ class Request:
     # Whether the engine samples when this request reaches the end of its tokens. Off for
     # the shared-prefix request of an n > 1 group, which only fills the prompt's blocks.
     needs_sampling: bool = True
-    # Disaggregation. Prefill side: keep the blocks under a lease when the request stops at
-    # its length limit, for a decode worker to fetch. Decode side: where the prompt's K/V is.
-    kv_lease: bool = False
-    remote_kv: KVTransferParams | None = None
+    # Disaggregation: the prefill side ends at the first token (its blocks leased if it goes
+    # on); the decode side receives the prompt's K/V before it runs.
+    handover: Handover | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -65,7 +65,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    kv_path: str | None = None  # decode side: "transferred" or "recomputed" once known
+    kv_path: KVPath | None = None  # decode side: TRANSFERRED or RECOMPUTED once known
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -86,6 +86,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_prefill_side(self) -> bool:
+        return self.handover is not None and self.handover.is_prefill
+
+    @property
+    def remote_kv(self) -> KVTransferParams | None:
+        """Decode side of a handover: where the prompt's K/V is."""
+        return None if self.handover is None else self.handover.remote_kv
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...kv_transfer.types import KVTransferStatus
+from ..api.handover import continues_after_prefill
 from ..config import CacheConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEvent
@@ -75,6 +75,45 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.get_block_ids(request_id)
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        """KV transfers in flight or leases held: steps must keep running to see them end."""
+        return self.handover.is_active
+
+    def kv_snapshot(self):
+        """Every cached block hash, for a publisher that asks for a full snapshot."""
+        return self.kv.pool.snapshot()
+
+    def stats(self) -> dict[str, int | float]:
+        """This scheduler's share of `EngineStats`: queues, KV cache and handover counters."""
+        handover = self.handover
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_waiting_prefill_tokens": self.num_waiting_prefill_tokens,
+            "num_free_kv_blocks": self.kv.num_free_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.num_prefix_cache_queries,
+            "prefix_cache_hits": self.num_prefix_cache_hits,
+            "num_warm_free_kv_blocks": self.kv.pool.num_warm_free_blocks,
+            "num_kv_leases": len(handover.leases),
+            "num_kv_receiving": len(handover.receiving),
+            "kv_recv_ok": handover.num_recv_ok,
+            "kv_recv_failed": handover.num_recv_failed,
+            "kv_leases_expired": handover.num_leases_expired,
+            "kv_bytes_received": handover.bytes_received,
+            "kv_recv_seconds": handover.recv_seconds,
+        }
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
     # -- request lifecycle ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
@@ -111,7 +150,8 @@ class Scheduler:
     def finish_request(
         self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
     ) -> Request | None:
-        """Ends a request (stop, length or abort) and frees its blocks; idempotent."""
+        """Ends a request (stop, length or abort) and frees its blocks, or leases them when a
+        prefilled request continues on a decode worker; idempotent."""
         assert status.is_finished
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -125,7 +165,11 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        if request.kv_lease and status == RequestStatus.FINISHED_LENGTH:
+        if (
+            request.is_prefill_side
+            and status == RequestStatus.FINISHED_LENGTH
+            and continues_after_prefill(request.max_tokens, request.num_output_tokens, stopped=False)
+        ):
             self.handover.lease(request)  # the decode side fetches the prompt's K/V from these blocks
         elif not receiving:
             self.kv.free(request)
@@ -134,9 +178,18 @@ class Scheduler:
             self._finished_since_last.add(request_id)
         return request
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        finished = [self.finish_request(rid, status) for rid in request_ids]
-        return [r for r in finished if r is not None]
+    def stop_on_string(self, request: Request, stop_string: str) -> None:
+        """A stop string ends the request; on the token that also hit a length limit the
+        string wins, and a lease taken for a decode worker is given back."""
+        if not request.is_finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+            return
+        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+        self.handover.release(request.request_id)
+
+    def is_leased(self, request_id: str) -> bool:
+        """Whether a finished request's blocks wait for a decode worker."""
+        return request_id in self.handover.leases
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
@@ -251,7 +304,11 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+            or request.is_prefill_side  # the rest is decoded elsewhere
+        ):
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 

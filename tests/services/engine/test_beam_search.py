@@ -54,7 +54,7 @@ def test_beams_share_blocks_by_reference(llama_dir):
     engine.add_request("b", list(range(100, 150)), SamplingParams(use_beam_search=True, beam_width=3, max_tokens=8))
     for _ in range(3):
         engine.step()
-    tables = [engine.scheduler.kv.get_block_ids(rid) for rid in engine._user_requests["b"]]
+    tables = [engine.scheduler.kv.get_block_ids(rid) for rid in engine.groups.engine_ids("b")]
     assert len(tables) == 3
     shared = set(tables[0][:3])
     assert all(set(t[:3]) == shared for t in tables), "the prompt's full blocks are shared"

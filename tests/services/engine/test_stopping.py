@@ -36,7 +36,7 @@ def test_eos_stops_unless_ignored(llm, free_run):
     # Declare the token greedy decoding emits at step 4 to be EOS for new requests.
     eos = free_run.token_ids[4]
     first = free_run.token_ids.index(eos)
-    llm.core.eos_token_ids = frozenset({eos})
+    llm.core.groups.eos_token_ids = frozenset({eos})
     try:
         (out,) = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=40, temperature=0))
         assert out.token_ids == free_run.token_ids[: first + 1]
@@ -46,7 +46,7 @@ def test_eos_stops_unless_ignored(llm, free_run):
         )
         assert ignored.token_ids == free_run.token_ids
     finally:
-        llm.core.eos_token_ids = frozenset(llm.core.arch.eos_token_ids)
+        llm.core.groups.eos_token_ids = frozenset(llm.core.arch.eos_token_ids)
 
 
 def test_stop_string_truncates_text(llm, free_run):

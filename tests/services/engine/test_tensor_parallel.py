@@ -92,9 +92,9 @@ def test_a_killed_rank_is_an_error_not_a_hang(ray_cluster, llama_dir):
     llm = LLM(model=str(llama_dir), num_kv_blocks=64, tensor_parallel_size=2, worker_timeout_s=30)
     executor = llm.core.executor
     llm.generate(["warm up"], SamplingParams(max_tokens=2))
-    ray_cluster.kill(executor.workers[1])
+    ray_cluster.kill(executor.ranks[1])
     start = time.monotonic()
     with pytest.raises(RankGroupError, match="rank 1"):
         llm.generate(["after the kill"], SamplingParams(max_tokens=4))
     assert time.monotonic() - start < 30
-    assert executor.workers == [] and executor.placement_group is None  # resources released
+    assert executor.ranks == [] and executor.placement_group is None  # resources released

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.api.handover import Handover
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore
 from baton.services.kv_transfer.config import FaultInjection
@@ -67,14 +68,14 @@ def run(engines, until, timeout_s: float = 30.0) -> dict:
 
 
 def prefill(p: EngineCore, request_id: str, prompt=PROMPT, seed=None):
-    params = SamplingParams(max_tokens=1, temperature=0 if seed is None else 1.0, seed=seed)
-    p.submit(p.prepare(request_id, prompt, params, kv_lease=True))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0 if seed is None else 1.0, seed=seed)
+    p.submit(p.prepare(request_id, prompt, params, handover=Handover.prefill()))
     return run([p], lambda f: request_id in f)[request_id]
 
 
 def decode(d: EngineCore, p: EngineCore, request_id: str, first, prompt=PROMPT, seed=None):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0 if seed is None else 1.0, seed=seed, ignore_eos=True)
-    d.submit(d.prepare(request_id, prompt, params, output_prefix=first.token_ids, remote_kv=first.kv_transfer_params))
+    d.submit(d.prepare(request_id, prompt, params, handover=Handover.decode(first.token_ids, first.kv_transfer_params)))
     return run([d, p], lambda f: request_id in f)[request_id]
 
 
@@ -99,7 +100,7 @@ def expected(llama_dir):
 
 @pytest.fixture
 def pair(engine):
-    return engine("producer"), engine("consumer")
+    return engine("prefill"), engine("decode")
 
 
 def test_handover_equals_one_engine_and_blocks_are_identical(pair, expected):
@@ -127,8 +128,7 @@ def test_received_bytes_equal_sent_bytes(pair):
             "r2",
             PROMPT,
             SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-            output_prefix=first.token_ids,
-            remote_kv=first.kv_transfer_params,
+            handover=Handover.decode(first.token_ids, first.kv_transfer_params),
         )
     )
     while "r2" not in d.scheduler.requests or d.scheduler.requests["r2"].kv_path is None:
@@ -167,8 +167,8 @@ def test_seeded_sampling_continues_across_the_handover(pair, llama_dir):
 
 def test_one_decode_engine_receives_from_two_prefill_engines_at_once(engine, expected):
     """Each prefill rank is a peer of its own: concurrent receives never cross."""
-    d = engine("consumer", timeout_s=5.0)
-    producers = [engine("producer", timeout_s=5.0) for _ in range(2)]
+    d = engine("decode", timeout_s=5.0)
+    producers = [engine("prefill", timeout_s=5.0) for _ in range(2)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for round_ in range(2):  # the second round reuses both connections
         ids = [f"p{i}-{round_}" for i in range(len(producers))]
@@ -179,8 +179,7 @@ def test_one_decode_engine_receives_from_two_prefill_engines_at_once(engine, exp
                     request_id,
                     PROMPT,
                     params,
-                    output_prefix=first.token_ids,
-                    remote_kv=first.kv_transfer_params,
+                    handover=Handover.decode(first.token_ids, first.kv_transfer_params),
                 )
             )
         outs = run([d, *producers], lambda f, ids=ids: all(i in f for i in ids))
@@ -201,7 +200,7 @@ def test_one_decode_engine_receives_from_two_prefill_engines_at_once(engine, exp
     ids=["dropped", "delayed-past-timeout", "corrupted-in-verify-mode"],
 )
 def test_failed_transfers_are_recomputed(engine, expected, faults, kv):
-    p, d = engine("producer", **kv), engine("consumer", **kv)
+    p, d = engine("prefill", **kv), engine("decode", **kv)
     p.executor.set_kv_faults(faults)
     first = prefill(p, "f")
     out = decode(d, p, "f", first)
@@ -212,7 +211,7 @@ def test_failed_transfers_are_recomputed(engine, expected, faults, kv):
 
 
 def test_unclaimed_lease_expires(engine):
-    p = engine("producer", lease_s=0.3)
+    p = engine("prefill", lease_s=0.3)
     prefill(p, "nobody-comes")
     assert p.stats().num_kv_leases == 1
     settle(p)
@@ -228,8 +227,7 @@ def test_abort_while_receiving_frees_blocks_after_the_receive(pair):
             "a",
             PROMPT,
             SamplingParams(max_tokens=MAX_TOKENS),
-            output_prefix=first.token_ids,
-            remote_kv=first.kv_transfer_params,
+            handover=Handover.decode(first.token_ids, first.kv_transfer_params),
         )
     )
     d.step()  # admitted: blocks allocated, receive started
