@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.api.outputs import CompletionOutput
+from ..engine.api.prompt_checks import check_prompt_ids, check_prompt_text
 from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
 from ..serving_errors import NotFoundError
@@ -106,10 +107,6 @@ class GenerationService:
         if name and name != info.model:
             raise NotFoundError(f"the model {name!r} does not exist; this server serves {info.model!r}")
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        async for event in self.stream(await self.prepare(request)):
-            yield event
-
     async def prepare(self, request: GenerationRequest) -> PreparedGeneration:
         """Tokenizes and validates: every InvalidRequestError surfaces here, before streaming."""
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -158,25 +155,12 @@ class GenerationService:
 
     async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, str):
-            if not request.prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
+            check_prompt_text(request.prompt)
             prompt_ids = self.tokenize(request.prompt, request.add_special_tokens)
         else:
             prompt_ids = list(request.prompt)
-            if not prompt_ids:
-                raise InvalidRequestError("prompt", "must not be empty")
         info = await self.model_info()
-        if len(prompt_ids) >= info.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_ids)} tokens but the context limit is {info.max_model_len} "
-                "(prompt + at least one generated token)",
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})"
-            )
+        check_prompt_ids(prompt_ids, info.vocab_size, info.max_model_len)
         return prompt_ids
 
     @staticmethod

@@ -1,207 +1,276 @@
-"""OpenAI-compatible request and response shapes (/v1/completions, /v1/chat/completions,
-/v1/models), and their mapping onto the generation service.
-
-Requests accept OpenAI's fields plus vLLM's common extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown fields are
-ignored, as OpenAI's own API does with fields it does not know.
+"""The OpenAI-compatible HTTP API mapped onto the generation service: /v1/completions and
+/v1/chat/completions (whole or as server-sent events), /v1/models, /health, and the
+FastAPI app that routes them. The request shapes and body helpers are in `openai_protocol`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.api.outputs import CompletionOutput
-from ..engine.api.sampling_params import SamplingParams
-from ..engine.errors import InvalidRequestError
-from .generation import GenerationEvent, Usage
+from ..serving_errors import ErrorStatus, status_of
+from .engine_client import EngineClient
+from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionAccumulator,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    now,
+    openai_finish_reason,
+    usage_body,
+)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = True
+@dataclass(slots=True)
+class OpenAIApi:
+    service: GenerationService
+    engine_client: EngineClient
+    record_error: Callable[[Exception], ErrorStatus]  # the gateway's logging and metrics for a failed request
 
-
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    user: str | None = None
-    # vLLM-style extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    cache_salt: str | None = None
-    request_id: str | None = None
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        fields = {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "n": self.n,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "seed": self.seed,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": self.stop_token_ids,
-            "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logprobs": logprobs,
+    async def list_models(self) -> dict[str, Any]:
+        info = await self.service.model_info()
+        card = {
+            "id": info.model,
+            "object": "model",
+            "created": now(),
+            "owned_by": "baton",
+            "max_model_len": info.max_model_len,
         }
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(stop=stop, **{k: v for k, v in fields.items() if v is not None})
+        return {"object": "list", "data": [card]}
 
+    async def health(self):
+        if not await self.engine_client.is_healthy():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    async def completions(self, body: CompletionRequest):
+        try:
+            await self.service.check_model(body.model)
+            prompts = body.prompts()
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+            requests = [
+                await self.service.prepare(
+                    GenerationRequest(p, params, _sub_id(body.request_id, i, len(prompts)), body.cache_salt, api="http")
+                )
+                for i, p in enumerate(prompts)
+            ]
+        except Exception as error:
+            return self._error_response(error)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return await _sse(self._stream_completions(requests, params.n, response_id, body), self._error_response)
+        return await self._complete(requests, params.n, response_id, body, chat=False)
 
-    def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(t, int) for t in p):
-            return [list(p)]
-        if not p:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return list(p)
+    async def chat_completions(self, body: ChatCompletionRequest):
+        try:
+            await self.service.check_model(body.model)
+            prompt_ids = self.service.apply_chat_template(body.message_dicts())
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+            requests = [
+                await self.service.prepare(
+                    GenerationRequest(prompt_ids, params, body.request_id or "", body.cache_salt, api="http")
+                )
+            ]
+        except Exception as error:
+            return self._error_response(error)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return await _sse(self._stream_chat(requests[0], response_id, body), self._error_response)
+        return await self._complete(requests, params.n, response_id, body, chat=True)
 
+    # -- internals --------------------------------------------------------------------
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    def message_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for message in self.messages:
-            content = message.content
-            if isinstance(content, list):  # content parts: only text is supported
-                if any(part.get("type") != "text" for part in content):
-                    raise InvalidRequestError("messages", "only text content parts are supported")
-                content = "".join(part.get("text", "") for part in content)
-            out.append({"role": message.role, "content": content or ""})
-        return out
-
-
-def error_body(message: str, error_type: str, param: str | None, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def completion_logprobs(completion: CompletionOutput, text_offset: int) -> dict[str, Any] | None:
-    if completion.logprobs is None:
-        return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entries in zip(completion.token_ids, completion.logprobs):
-        chosen = entries[token_id]
-        tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(chosen.logprob)
-        top.append({e.decoded_token or "": e.logprob for _, e in sorted(entries.items(), key=lambda x: x[1].rank)})
-        offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
-    if completion.logprobs is None:
-        return None
-    content = []
-    for token_id, entries in zip(completion.token_ids, completion.logprobs):
-        chosen = entries[token_id]
-        ranked = sorted(entries.items(), key=lambda x: x[1].rank)[:num_top]
-        content.append(
-            {
-                "token": chosen.decoded_token or "",
-                "logprob": chosen.logprob,
-                "bytes": list((chosen.decoded_token or "").encode()),
-                "top_logprobs": [
+    async def _complete(self, requests: list[PreparedGeneration], n: int, response_id: str, body, chat: bool):
+        accumulator = CompletionAccumulator(len(requests) * n)
+        total = None
+        try:
+            for i, request in enumerate(requests):
+                async for event in self.service.stream(request):
+                    accumulator.add(i * n + event.completion.index, event)
+                    if event.finished:
+                        total = _add_usage(total, event)
+        except Exception as error:
+            return self._error_response(error)
+        info = await self.service.model_info()
+        choices = []
+        for index in range(len(requests) * n):
+            completion = accumulator.completion(index, requests[index // n].call.params.logprobs is not None)
+            finish = openai_finish_reason(completion.finish_reason)
+            if chat:
+                choices.append(
                     {
-                        "token": e.decoded_token or "",
-                        "logprob": e.logprob,
-                        "bytes": list((e.decoded_token or "").encode()),
+                        "index": index,
+                        "message": {"role": "assistant", "content": completion.text},
+                        "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
+                        "finish_reason": finish,
                     }
-                    for _, e in ranked
-                ],
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": completion.text,
+                        "finish_reason": finish,
+                        "logprobs": completion_logprobs(completion, 0),
+                    }
+                )
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": info.model,
+            "choices": choices,
+            "usage": usage_body(total),
+        }
+
+    async def _stream_completions(self, requests, n: int, response_id: str, body) -> AsyncIterator[dict]:
+        info = await self.service.model_info()
+        total = None
+        offsets = [0] * (len(requests) * n)
+        for i, request in enumerate(requests):
+            async for event in self.service.stream(request):
+                index = i * n + event.completion.index
+                choice = {
+                    "index": index,
+                    "text": event.completion.text,
+                    "logprobs": completion_logprobs(event.completion, offsets[index]),
+                    "finish_reason": openai_finish_reason(event.completion.finish_reason),
+                }
+                offsets[index] += len(event.completion.text)
+                yield {
+                    "id": response_id,
+                    "object": "text_completion",
+                    "created": now(),
+                    "model": info.model,
+                    "choices": [choice],
+                }
+                if event.finished:
+                    total = _add_usage(total, event)
+        if _include_usage(body):
+            yield {
+                "id": response_id,
+                "object": "text_completion",
+                "created": now(),
+                "model": info.model,
+                "choices": [],
+                "usage": usage_body(total),
             }
-        )
-    return {"content": content}
+
+    async def _stream_chat(self, request: PreparedGeneration, response_id: str, body) -> AsyncIterator[dict]:
+        info = await self.service.model_info()
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": now(), "model": info.model}
+        started: set[int] = set()
+        usage = None
+        async for event in self.service.stream(request):
+            index = event.completion.index
+            delta: dict[str, Any] = {"content": event.completion.text}
+            if index not in started:
+                started.add(index)
+                delta["role"] = "assistant"
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(event.completion, body.top_logprobs or 0),
+                "finish_reason": openai_finish_reason(event.completion.finish_reason),
+            }
+            yield {**base, "choices": [choice]}
+            if event.finished:
+                usage = event.usage
+        if _include_usage(body):
+            yield {**base, "choices": [], "usage": usage_body(usage)}
+
+    def _error_response(self, error: Exception) -> JSONResponse:
+        status = self.record_error(error)
+        return JSONResponse(_status_body(status), status_code=status.http_status)
 
 
-class CompletionAccumulator:
-    """Collects streamed events into one non-streaming response per choice."""
+def build_http_app(api: OpenAIApi) -> FastAPI:
+    """The OpenAI-compatible routes, bound to one API instance (one per replica)."""
+    http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment")
 
-    def __init__(self, num_choices: int) -> None:
-        self.texts = [""] * num_choices
-        self.finish_reasons: list[str | None] = [None] * num_choices
-        self.logprobs: list[list] = [[] for _ in range(num_choices)]
-        self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+    @http.exception_handler(RequestValidationError)
+    async def validation_error(_request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(error)
+        return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
 
-    def add(self, choice: int, event: GenerationEvent) -> None:
-        completion = event.completion
-        self.texts[choice] += completion.text
-        self.token_ids[choice].extend(completion.token_ids)
-        if completion.logprobs is not None:
-            self.logprobs[choice].extend(completion.logprobs)
-        if completion.finish_reason is not None:
-            self.finish_reasons[choice] = completion.finish_reason
+    @http.get("/v1/models")
+    async def list_models():
+        return await api.list_models()
 
-    def completion(self, choice: int, has_logprobs: bool) -> CompletionOutput:
-        return CompletionOutput(
-            choice,
-            self.texts[choice],
-            self.token_ids[choice],
-            None,
-            self.logprobs[choice] if has_logprobs else None,
-            self.finish_reasons[choice],
-        )
+    @http.get("/health")
+    async def health():
+        return await api.health()
 
+    @http.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await api.completions(body)
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    """OpenAI knows stop and length; an aborted request reports as stop."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    @http.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await api.chat_completions(body)
+
+    return http
 
 
-def now() -> int:
-    return int(time.time())
+def _sub_id(request_id: str | None, index: int, count: int) -> str:
+    if not request_id:
+        return ""
+    return request_id if count == 1 else f"{request_id}-{index}"
 
 
-ObjectKind = Literal["text_completion", "chat.completion"]
+def _include_usage(body) -> bool:
+    return body.stream_options is None or body.stream_options.include_usage
+
+
+def _add_usage(total: Usage | None, event: GenerationEvent) -> Usage:
+    if total is None:
+        return event.usage
+    total.prompt_tokens += event.usage.prompt_tokens
+    total.completion_tokens += event.usage.completion_tokens
+    total.cached_tokens += event.usage.cached_tokens
+    return total
+
+
+def _status_body(status: ErrorStatus) -> dict[str, Any]:
+    return error_body(status.message, status.openai_type, status.param, status.http_status)
+
+
+async def _sse(
+    events: AsyncIterator[dict], on_error: Callable[[Exception], JSONResponse]
+) -> StreamingResponse | JSONResponse:
+    """Server-sent events. The first event is awaited before the headers go out, so an
+    error that comes at once (overload, no worker) still gets its HTTP status."""
+    iterator = events.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as error:
+        return on_error(error)
+
+    async def body():
+        try:
+            if first is not None:
+                yield f"data: {json.dumps(first)}\n\n"
+                async for event in iterator:
+                    yield f"data: {json.dumps(event)}\n\n"
+        except Exception as error:  # after the headers went out: report in the stream
+            yield f"data: {json.dumps(_status_body(status_of(error)))}\n\n"
+        finally:
+            await iterator.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

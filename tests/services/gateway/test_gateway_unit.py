@@ -6,7 +6,8 @@ import grpc
 import pytest
 from baton.services.engine.api.outputs import CompletionOutput, RequestOutput
 from baton.services.gateway.engine_client import EngineClient
-from baton.services.gateway.gateway import Gateway, build_http_app
+from baton.services.gateway.gateway import Gateway
+from baton.services.gateway.openai_api import build_http_app
 from baton.services.serving_errors import NoHealthyWorkersError, ServerOverloadedError
 from baton.services.workers.messages import WorkerModelInfo
 from baton.v1 import inference_pb2 as pb
@@ -83,7 +84,7 @@ async def test_placement_errors_map_to_codes(tokenizer_dir, error, code, status)
     gateway = Gateway(FakeEngineClient(error), tokenizer_dir)
     context = await grpc_generate(gateway, pb.GenerateRequest(text="hi"))
     assert context.code == code and str(error) in context.details
-    http = TestClient(build_http_app(gateway))
+    http = TestClient(build_http_app(gateway.openai))
     reply = http.post("/v1/completions", json={"prompt": "hi"})
     assert reply.status_code == status
     assert reply.json()["error"]["message"].endswith(str(error)) or str(error) in reply.json()["error"]["message"]
@@ -102,7 +103,7 @@ async def test_validation_happens_before_placement(tokenizer_dir):
 
 
 def test_health_reports_503_when_workers_are_down(tokenizer_dir):
-    http = TestClient(build_http_app(Gateway(FakeEngineClient(healthy=False), tokenizer_dir)))
+    http = TestClient(build_http_app(Gateway(FakeEngineClient(healthy=False), tokenizer_dir).openai))
     assert http.get("/health").status_code == 503
-    http = TestClient(build_http_app(Gateway(FakeEngineClient(), tokenizer_dir)))
+    http = TestClient(build_http_app(Gateway(FakeEngineClient(), tokenizer_dir).openai))
     assert http.get("/health").json() == {"status": "ok"}
