@@ -1,8 +1,13 @@
 """Errors the engine raises to its callers.
 
 `InvalidRequestError` names the offending field so that the gRPC and HTTP layers can map
-it to INVALID_ARGUMENT / HTTP 400 with a message a user can act on.
+it to INVALID_ARGUMENT / HTTP 400 with a message a user can act on. `ModelLoadError` is the
+model package's (it raises it, below the engine); callers catch it from here too.
 """
+
+from ..model.errors import ModelLoadError
+
+__all__ = ["EngineDeadError", "InvalidRequestError", "ModelLoadError"]
 
 
 class InvalidRequestError(ValueError):
@@ -19,7 +24,3 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unrecoverable error; every pending request fails."""
-
-
-class ModelLoadError(RuntimeError):
-    """A model folder is missing a file, has a corrupt one, or names an unsupported model."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.errors import ModelLoadError
+from .errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..engine.errors import ModelLoadError
+from .errors import ModelLoadError
 
 # Tensors some checkpoints carry that have no parameter here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
