@@ -37,7 +37,7 @@ def kv_caches() -> list[torch.Tensor]:
 
 def connector(role: str, transport: str):
     from baton.services.kv_transfer.config import KVTransferConfig
-    from baton.services.kv_transfer.connector import create_connector
+    from baton.services.kv_transfer.factory import create_connector
 
     torch.set_num_threads(1)
     tune_malloc_for_cpu_inference()  # as in an engine process
@@ -46,7 +46,7 @@ def connector(role: str, transport: str):
 
 
 def producer(conn, transport: str, num_blocks: int, repeats: int) -> None:
-    sender = connector("producer", transport)
+    sender = connector("prefill", transport)
     sender.register_kv_caches(kv_caches())
     blocks = tuple(range(num_blocks))
     sender.add_leases({f"t{i}": blocks for i in range(repeats)})
@@ -88,7 +88,7 @@ def raw_nixl_source(conn, payload: list[torch.Tensor]) -> None:
 def consumer(conn, transport: str, endpoint: str, num_blocks: int, repeats: int) -> None:
     from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams
 
-    receiver = connector("consumer", transport)
+    receiver = connector("decode", transport)
     receiver.register_kv_caches([torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM) for _ in range(LAYERS)])
     handover = []
     for i in range(repeats):

@@ -23,11 +23,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .engine.config import EngineConfig
+from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-Role = Literal["colocated", "prefill", "decode"]
-_KV_ROLES = {"colocated": "none", "prefill": "producer", "decode": "consumer"}
 
 
 class ServerConfig(BaseModel):
@@ -154,7 +153,7 @@ class BatonConfig(BaseModel):
 
     @property
     def roles(self) -> tuple[Role, ...]:
-        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        return (Role.COLOCATED,) if self.mode == "colocated" else (Role.PREFILL, Role.DECODE)
 
     @property
     def served_model_name(self) -> str:
@@ -180,7 +179,7 @@ class BatonConfig(BaseModel):
         """The shared engine section, the role's overrides, and the role's side of the handover."""
         overrides = self.deployment(role).engine_overrides
         merged = _deep_merge(self.engine.model_dump(), overrides)
-        merged["kv_transfer"] = {**merged.get("kv_transfer", {}), "role": _KV_ROLES[role]}
+        merged["kv_transfer"] = {**merged.get("kv_transfer", {}), "role": Role(role)}
         return EngineConfig.model_validate(merged)
 
     def router_config(self) -> RouterConfig:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..roles import Role
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+# The names of an older release; they still load, with a warning naming the role to write.
+_DEPRECATED_ROLES = {"none": Role.COLOCATED, "producer": Role.PREFILL, "consumer": Role.DECODE}
 
 
 class FaultInjection(BaseModel):
@@ -26,8 +31,9 @@ class FaultInjection(BaseModel):
 class KVTransferConfig(BaseModel):
     model_config = _FROZEN
 
-    role: Literal["none", "producer", "consumer"] = Field(
-        "none", description="producer: prefill side (leases blocks, sends); consumer: decode side (receives)"
+    role: Role = Field(
+        Role.COLOCATED,
+        description="prefill: leases blocks and sends them; decode: receives them; colocated: no handover",
     )
     transport: Literal["torch", "nixl"] = Field(
         "torch",
@@ -43,3 +49,14 @@ class KVTransferConfig(BaseModel):
     lease_s: float = Field(30.0, gt=0, description="The prefill side frees unclaimed blocks after this long")
     verify: bool = Field(False, description="Checksum every transfer; a mismatch makes the decode side recompute")
     allow_fault_injection: bool = Field(False, description="Allow FaultInjection to be set at run time (tests)")
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _renamed_role(cls, role: Any) -> Any:
+        if isinstance(role, str) and role in _DEPRECATED_ROLES:
+            new = _DEPRECATED_ROLES[role]
+            # FutureWarning, not DeprecationWarning: Python shows it by default, and whoever
+            # wrote the config reads it.
+            warnings.warn(f"kv_transfer.role {role!r} is deprecated: write {new.value!r}", FutureWarning, stacklevel=2)
+            return new
+        return role

@@ -1,4 +1,5 @@
 """The worker-side connector: one per tensor-parallel rank, holding that rank's KV cache.
+Each transport subclasses `KVConnector`; `factory.create_connector` picks the configured one.
 
 The scheduler decides what moves (leases on the prefill side, receive tasks on the decode
 side); the model runner hands those decisions to its connector each step and reports the
@@ -126,12 +127,19 @@ class KVConnector(ABC):
     def close(self) -> None: ...
 
 
-def create_connector(config, tp_rank: int, device: torch.device) -> KVConnector:
-    """The configured transport's connector for one rank."""
-    if config.transport == "nixl":
-        from .nixl_connector import NixlConnector
+class TransferError(RuntimeError):
+    """One transfer failed (refused, timed out, corrupt): its receive is reported failed."""
 
-        return NixlConnector(config, tp_rank, device)
-    from .torch_connector import TorchDistributedConnector
 
-    return TorchDistributedConnector(config, tp_rank, device)
+def advertised_host(host: str) -> str:
+    """`auto`: the Ray node's IP when inside Ray (reachable by the other pods), else loopback."""
+    if host != "auto":
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"

@@ -55,16 +55,16 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .config import KVTransferConfig
-from .connector import KVConnector
+from .connector import TransferError, advertised_host
 from .nixl_agent import Mailbox, create_agent
-from .nixl_layout import CacheLayout, checksum, decode_blocks, encode_blocks
-from .torch_connector import TransferError, advertised_host
+from .nixl_layout import CacheLayout, checksum, encode_blocks
+from .nixl_prefill import NixlPrefillSide
 from .types import KVRecvTask
 from .wire_layout import runs
 
@@ -91,21 +91,9 @@ class _Recv:
     read_done: bool = False
 
 
-@dataclass(slots=True)
-class _Claim:
-    """Prefill side: a decode rank's claim on a transfer's blocks."""
+class NixlConnector(NixlPrefillSide):
+    """The agent, its loop and the decode side; the prefill side (claims) is NixlPrefillSide's."""
 
-    peer: str  # the decode rank's agent
-    claim_id: int
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    verify: bool
-    deadline: float  # waiting for the lease, then (pinned) for "done"
-    is_pinned: bool = False
-    grant_at: float | None = None  # when to answer; None once answered (or never, when dropped)
-
-
-class NixlConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
         super().__init__(config)
         self.rank = tp_rank
@@ -119,7 +107,6 @@ class NixlConnector(KVConnector):
         self._registered = None
         # The loop thread's own.
         self._recvs: dict[int, _Recv] = {}
-        self._claims: dict[tuple[str, int], _Claim] = {}
         self._peers: set[str] = set()  # agents whose metadata was asked for
         self._layouts: dict[str, CacheLayout] = {}  # prefill agents' cache layouts, from their grants
         self._claim_ids = itertools.count(1)
@@ -384,63 +371,3 @@ class NixlConnector(KVConnector):
                 self._agent.release_xfer_handle(handle)
             except Exception as error:  # NIXL keeps it and retries when the agent goes
                 logger.warning("KV transfer %s: cancelling the READ failed: %s", recv.task.request_id, error)
-
-    # -- prefill side -----------------------------------------------------------------
-
-    def _on_claim(self, peer: str, message: dict) -> None:
-        claim = _Claim(
-            peer,
-            message["claim"],
-            message["transfer_id"],
-            decode_blocks(message["blocks"]),
-            bool(message["verify"]),
-            time.monotonic() + self.config.timeout_s,
-        )
-        self._claims[(peer, claim.claim_id)] = claim  # answered by _advance_claims, this same step
-
-    def _advance_claims(self, now: float) -> None:
-        for key, claim in list(self._claims.items()):
-            try:
-                self._advance_claim(key, claim, now)
-            except Exception as error:  # this claim only; the others carry on
-                logger.warning("KV transfer %s to %s failed: %s", claim.transfer_id, claim.peer, error)
-                self._refuse(key, claim, f"{type(error).__name__}: {error}", now)
-
-    def _advance_claim(self, key: tuple[str, int], claim: _Claim, now: float) -> None:
-        if not claim.is_pinned:
-            is_pinned = self._pin(claim.transfer_id, claim.block_ids)
-            claim.is_pinned = bool(is_pinned)
-            if is_pinned is None and now <= claim.deadline:
-                return  # the lease is not announced yet
-            if not is_pinned:
-                self._refuse(key, claim, "the prefill side's lease expired", now)
-                return
-            faults = self.faults
-            claim.deadline = now + self.config.timeout_s
-            claim.grant_at = None if faults.drop else now + faults.delay_s
-        if claim.grant_at is not None and now >= claim.grant_at:
-            claim.grant_at = None
-            self._grant(claim, now)
-        if now > claim.deadline:  # no "done": the decode gave up or died
-            del self._claims[key]
-            self._unpin(claim.transfer_id, ok=False)
-
-    def _refuse(self, key: tuple[str, int], claim: _Claim, reason: str, now: float) -> None:
-        del self._claims[key]
-        if claim.is_pinned:
-            self._unpin(claim.transfer_id, ok=False)
-        self._mail.send(claim.peer, {"op": "refused", "claim": claim.claim_id, "reason": reason}, now)
-
-    def _grant(self, claim: _Claim, now: float) -> None:
-        crc = None
-        if claim.verify:
-            crc = checksum(self.kv_caches, claim.block_ids)
-            if self.faults.corrupt:
-                crc ^= 0xFFFFFFFF
-        grant = {"op": "grant", "claim": claim.claim_id, "layout": asdict(self._layout), "checksum": crc}
-        self._mail.send(claim.peer, grant, now)
-
-    def _on_done(self, peer: str, message: dict) -> None:
-        claim = self._claims.pop((peer, message["claim"]), None)
-        if claim is not None and claim.is_pinned:
-            self._unpin(claim.transfer_id, ok=bool(message["ok"]))

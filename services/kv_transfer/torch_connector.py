@@ -44,9 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from ..roles import Role
 from . import wire_layout
 from .config import KVTransferConfig
-from .connector import KVConnector
+from .connector import KVConnector, TransferError, advertised_host
 from .types import KVRecvTask
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,6 @@ _OK, _EXPIRED = 0, 1
 _QUEUE = "requests"
 _SERVER_WAIT = datetime.timedelta(minutes=5)
 _STOP = "stop"
-
-
-class TransferError(RuntimeError):
-    pass
 
 
 class TorchDistributedConnector(KVConnector):
@@ -83,7 +80,7 @@ class TorchDistributedConnector(KVConnector):
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
         self._server = None
-        if config.role == "producer":
+        if config.role is Role.PREFILL:
             self._server = threading.Thread(target=self._serve, name="kv-transfer-server", daemon=True)
             self._server.start()
 
@@ -298,20 +295,6 @@ class TorchDistributedConnector(KVConnector):
     def _pair_lock(self, key: str) -> threading.Lock:
         with self._lock:
             return self._pair_locks.setdefault(key, threading.Lock())
-
-
-def advertised_host(host: str) -> str:
-    """`auto`: the Ray node's IP when inside Ray (reachable by the other pods), else loopback."""
-    if host != "auto":
-        return host
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -31,7 +31,7 @@ from .redis_client import create_redis_client
 from .redis_prefix_index import RedisPrefixIndex
 from .router import PrefixRouter
 from .worker_agent import WorkerAgent
-from .worker_info import WorkerInfo, WorkerLoad, WorkerRole, new_epoch
+from .worker_info import WorkerInfo, WorkerLoad, new_epoch
 
 __all__ = [
     "RouterConfig",
@@ -60,7 +60,6 @@ __all__ = [
     "PlacementReason",
     "WorkerInfo",
     "WorkerLoad",
-    "WorkerRole",
     "new_epoch",
     "create_redis_client",
 ]

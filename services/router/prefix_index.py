@@ -48,9 +48,10 @@ from dataclasses import dataclass
 
 from ..engine.core.block_hash import BlockHash
 from ..engine.core.kv_events import KVCacheSnapshot, KVEvent
+from ..roles import Role
 from .worker_info import WorkerInfo, WorkerLoad
 
-INDEX_ROLES = ("prefill", "decode")
+INDEX_ROLES = Role.COLOCATED.index_roles  # the candidate sets a query picks from
 Clock = Callable[[], int]  # milliseconds; None in a constructor means the index's own clock
 
 
@@ -158,7 +159,7 @@ def checkpoints_beyond(num_blocks: int, num_cached_blocks: int) -> tuple[int, ..
 
 def check_role(role: str) -> str:
     if role not in INDEX_ROLES:
-        raise ValueError(f"role must be one of {INDEX_ROLES}, got {role!r}")
+        raise ValueError(f"role must be one of {[str(r) for r in INDEX_ROLES]}, got {role!r}")
     return role
 
 

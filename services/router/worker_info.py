@@ -7,13 +7,14 @@ same worker can never be mistaken for the current one's.
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+from ..roles import Role
 
 if TYPE_CHECKING:  # the engine core pulls in torch; the router only needs the type
     from ..engine.stats import EngineStats
@@ -22,15 +23,8 @@ _NAME = re.compile(r"[^\s@{}]+")
 _EPOCH = re.compile(r"[0-9a-f]{24}")
 
 
-class WorkerRole(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"  # colocated: one worker prefills and decodes
-
-    @property
-    def index_roles(self) -> tuple[str, ...]:
-        """The role sets this worker joins (a colocated worker is a candidate for both)."""
-        return ("prefill", "decode") if self is WorkerRole.BOTH else (self.value,)
+# A worker of an older release registers a colocated worker as "both".
+_LEGACY_ROLES = {"both": Role.COLOCATED}
 
 
 def new_epoch() -> str:
@@ -46,7 +40,7 @@ def new_epoch() -> str:
 class WorkerInfo:
     name: str  # stable across restarts, e.g. "prefill-0"
     epoch: str  # new_epoch(), new on every start
-    role: WorkerRole
+    role: Role  # its index_roles are the candidate sets it joins
     model: str  # served model name (the index's namespace)
     block_size: int  # KV block size; the router skips workers that disagree with it
     tp_size: int  # tensor-parallel ranks behind this worker
@@ -57,8 +51,8 @@ class WorkerInfo:
             raise ValueError(f"worker name {self.name!r} must be non-empty, without whitespace, '@' or braces")
         if not _EPOCH.fullmatch(self.epoch):
             raise ValueError(f"worker epoch {self.epoch!r} must be 24 lowercase hex digits (see new_epoch())")
-        if not isinstance(self.role, WorkerRole):
-            object.__setattr__(self, "role", WorkerRole(self.role))
+        if not isinstance(self.role, Role):
+            object.__setattr__(self, "role", Role(self.role))
         if self.block_size < 1 or self.tp_size < 1:
             raise ValueError(f"block_size ({self.block_size}) and tp_size ({self.tp_size}) must be positive")
         if not self.address:
@@ -73,7 +67,10 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerInfo:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        if fields.get("role") in _LEGACY_ROLES:
+            fields["role"] = _LEGACY_ROLES[fields["role"]]
+        return cls(**fields)
 
 
 _FIELDS_OF_FIRST_RELEASE = 5

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from baton.services.config import load_config
+from baton.services.roles import Role
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = {"engine": {"model": {"model": "/models/m"}}}
@@ -36,3 +37,11 @@ def test_cpus_requested_count_replicas_autoscaling_maxima_and_tp_ranks():
     assert config.num_cpus_requested() == pytest.approx(0.5 + 3 * 1 + 2 * 0.5)
     tp = load_config(None, {**MODEL, "engine": {**MODEL["engine"], "parallel": {"tensor_parallel_size": 2}}})
     assert tp.num_cpus_requested() == pytest.approx(0.25 + 1 + 2)  # the replica, and one CPU per rank
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_each_deployment_hands_its_role_to_the_kv_transfer(mode):
+    config = load_config(None, {**MODEL, "mode": mode})
+    assert config.roles == ((Role.COLOCATED,) if mode == "colocated" else (Role.PREFILL, Role.DECODE))
+    for role in config.roles:
+        assert config.engine_config(role).kv_transfer.role is role

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from baton.services.roles import Role
 from baton.services.router import (
     Keyspace,
     RedisConfig,
@@ -12,7 +13,6 @@ from baton.services.router import (
     WorkerAgent,
     WorkerConfig,
     WorkerInfo,
-    WorkerRole,
     create_redis_client,
     new_epoch,
 )
@@ -41,7 +41,7 @@ def make_index(config: RouterConfig, clock=None, **kwargs) -> RedisPrefixIndex:
     return RedisPrefixIndex(client, keys, config.index, clock=clock, **kwargs)
 
 
-def make_info(name: str, role: WorkerRole = WorkerRole.PREFILL, epoch: str | None = None, **fields) -> WorkerInfo:
+def make_info(name: str, role: Role = Role.PREFILL, epoch: str | None = None, **fields) -> WorkerInfo:
     values = {"model": MODEL, "block_size": BLOCK_SIZE, "tp_size": 1, "address": f"replica-{name}"} | fields
     return WorkerInfo(name, epoch or new_epoch(), role, **values)
 
@@ -57,7 +57,7 @@ class Workers:
         self,
         config: RouterConfig,
         name: str | None = None,
-        role: WorkerRole = WorkerRole.PREFILL,
+        role: Role = Role.PREFILL,
         num_blocks: int = 256,
         epoch: str | None = None,
         **info,

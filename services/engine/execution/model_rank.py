@@ -18,10 +18,12 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ...kv_transfer.connector import KVConnector, create_connector
+from ...kv_transfer.connector import KVConnector
+from ...kv_transfer.factory import create_connector
 from ...model.config import ModelArch
 from ...model.linear import dense_weight
 from ...model.parallel import TPGroup, backend_for_device
+from ...roles import Role
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .cpu_tuning import tune_malloc_for_cpu_inference
@@ -66,7 +68,7 @@ class ModelRank:
 
     def load_model(self) -> int:
         """Loads this rank's shard; returns how many KV blocks this rank's budget holds."""
-        if self.config.kv_transfer.role != "none":
+        if self.config.kv_transfer.role is not Role.COLOCATED:
             self.connector = create_connector(self.config.kv_transfer, self.rank, self.device)
         self.runner = ModelRunner(
             model_dir=self.config.model.model,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from baton.services.kv_transfer.config import KVTransferConfig
-from baton.services.kv_transfer.connector import create_connector
+from baton.services.kv_transfer.factory import create_connector
 from baton.services.kv_transfer.nixl_agent import load_nixl
 from baton.services.kv_transfer.types import KVRecvTask, KVTransferParams, KVTransferStatus
 
@@ -33,8 +33,8 @@ def connect(transport):
 
     def make(**settings):
         config = {"host": "127.0.0.1", "transport": transport, "allow_fault_injection": True, **settings}
-        p = create_connector(KVTransferConfig(role="producer", **config), 0, torch.device("cpu"))
-        d = create_connector(KVTransferConfig(role="consumer", **config), 0, torch.device("cpu"))
+        p = create_connector(KVTransferConfig(role="prefill", **config), 0, torch.device("cpu"))
+        d = create_connector(KVTransferConfig(role="decode", **config), 0, torch.device("cpu"))
         made.extend([p, d])
         torch.manual_seed(0)
         p.register_kv_caches([torch.randn(CACHE_SHAPE) for _ in range(3)])

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from baton.services.kv_transfer.config import FaultInjection, KVTransferConfig
-from baton.services.kv_transfer.connector import create_connector
+from baton.services.kv_transfer.factory import create_connector
 from baton.services.kv_transfer.nixl_layout import CacheLayout, decode_blocks, encode_blocks
 
 
@@ -26,7 +26,7 @@ def test_missing_nixl_fails_clearly_at_start_up(monkeypatch):
     for module in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     with pytest.raises(RuntimeError, match="pip install nixl-cu12.*use transport 'torch'"):
-        create_connector(KVTransferConfig(role="producer", transport="nixl"), 0, torch.device("cpu"))
+        create_connector(KVTransferConfig(role="prefill", transport="nixl"), 0, torch.device("cpu"))
 
 
 def test_descriptors_cover_runs_consecutive_on_both_sides():

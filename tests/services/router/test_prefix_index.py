@@ -7,7 +7,8 @@ import time
 import pytest
 from baton.services.engine.core.block_hash import hash_request_tokens
 from baton.services.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot
-from baton.services.router import ApplyStatus, HeartbeatResult, InMemoryPrefixIndex, WorkerLoad, WorkerRole
+from baton.services.roles import Role
+from baton.services.router import ApplyStatus, HeartbeatResult, InMemoryPrefixIndex, WorkerLoad
 from baton.services.router.prefix_index import cached_run
 from testlib.router_setup import make_config, make_index, make_info
 
@@ -46,7 +47,7 @@ def stored(seq, hashes, parent=None):
     return BlockStored(seq, tuple(hashes), parent, 4 * len(hashes))
 
 
-def registered(index, name="a", role=WorkerRole.PREFILL, load: WorkerLoad | None = None, **kw):
+def registered(index, name="a", role=Role.PREFILL, load: WorkerLoad | None = None, **kw):
     info = make_info(name, role, **kw)
     assert index.heartbeat(info, load or WorkerLoad(), TTL_S) is HeartbeatResult.REGISTERED
     assert index.replace_blocks(info.worker_id, KVCacheSnapshot(0, frozenset()))
@@ -57,16 +58,17 @@ def test_heartbeat_registers_once_and_query_lists_alive_workers_by_role(setup):
     index, _, _ = setup
     b = registered(index, "b", load=WorkerLoad(1, 2, 30, 40, 50))
     a = registered(index, "a")
-    both = registered(index, "c", WorkerRole.BOTH)
-    registered(index, "d", WorkerRole.DECODE)
+    both = registered(index, "c", Role.COLOCATED)
+    registered(index, "d", Role.DECODE)
     assert index.heartbeat(a, WorkerLoad(), TTL_S) is HeartbeatResult.REFRESHED
     views = index.query("prefill", HASHES)
     assert [v.worker_id for v in views] == sorted([a.worker_id, b.worker_id, both.worker_id])
     assert views[[v.worker_id for v in views].index(b.worker_id)].load == WorkerLoad(1, 2, 30, 40, 50)
     assert len(index.query("decode", [])) == 2
     assert index.worker_infos([a.worker_id, "nobody@" + "0" * 24]) == {a.worker_id: a}
-    with pytest.raises(ValueError, match="role"):
-        index.query("both", [])
+    for not_a_candidate_set in ("colocated", "both"):
+        with pytest.raises(ValueError, match="role"):
+            index.query(not_a_candidate_set, [])
 
 
 def test_events_need_a_registration_and_a_snapshot_first(setup):

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 from baton.services.engine.core.kv_events import KVCacheSnapshot
-from baton.services.router import IndexConfig, PlacementReason, PrefixRouter, WorkerLoad, WorkerRole
+from baton.services.roles import Role
+from baton.services.router import IndexConfig, PlacementReason, PrefixRouter, WorkerLoad
 from testlib.router_setup import make_config, make_index, make_info
 from testlib.waiting import wait_until
 
@@ -192,8 +193,8 @@ def test_workers_with_another_block_size_are_skipped(config):
 
 def test_decode_placement_spreads_a_burst_by_load(config, workers):
     for name in ("d0", "d1", "d2"):
-        workers.start(config, name, role=WorkerRole.DECODE, num_blocks=64)
-    colocated, _ = workers.start(config, "both", role=WorkerRole.BOTH, num_blocks=64)
+        workers.start(config, name, role=Role.DECODE, num_blocks=64)
+    colocated, _ = workers.start(config, "both", role=Role.COLOCATED, num_blocks=64)
     wait_until(lambda: len(make_index(config).query("decode", [])) == 4)
     router = PrefixRouter.from_config(config)
     chosen = Counter(router.route_decode(f"d-{i}", 20).worker_ids[0] for i in range(8))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 from baton.services.engine import EngineStats
-from baton.services.router import WorkerInfo, WorkerLoad, WorkerRole, new_epoch
+from baton.services.roles import Role
+from baton.services.router import WorkerInfo, WorkerLoad, new_epoch
 
 EPOCH = "0" * 24
 
 
 def info(**fields) -> WorkerInfo:
-    values = dict(name="prefill-0", epoch=EPOCH, role=WorkerRole.PREFILL, model="m", block_size=16, tp_size=2)
+    values = dict(name="prefill-0", epoch=EPOCH, role=Role.PREFILL, model="m", block_size=16, tp_size=2)
     return WorkerInfo(**(values | {"address": "app#prefill#abc"} | fields))
 
 
@@ -18,12 +19,17 @@ def test_worker_id_carries_the_epoch_and_json_round_trips():
     worker = info()
     assert worker.worker_id == f"prefill-0@{EPOCH}"
     assert WorkerInfo.from_json(worker.to_json()) == worker
-    assert WorkerInfo.from_json(info(role="both").to_json()).role is WorkerRole.BOTH
+    assert WorkerInfo.from_json(info(role="colocated").to_json()).role is Role.COLOCATED
+
+
+def test_a_colocated_worker_of_an_older_release_reads_as_colocated():
+    legacy = info(role=Role.COLOCATED).to_json().replace('"colocated"', '"both"')
+    assert WorkerInfo.from_json(legacy) == info(role=Role.COLOCATED)
 
 
 def test_a_colocated_worker_joins_both_role_sets():
-    assert WorkerRole.BOTH.index_roles == ("prefill", "decode")
-    assert WorkerRole.DECODE.index_roles == ("decode",)
+    assert Role.COLOCATED.index_roles == ("prefill", "decode")
+    assert Role.DECODE.index_roles == ("decode",)
 
 
 def test_epochs_are_new_and_ordered_by_start_time():
