@@ -1,11 +1,17 @@
-"""Shared benchmark pieces: a cached ~30M-parameter random Llama and seeded workloads."""
+"""Shared benchmark pieces: a cached ~30M-parameter random Llama, seeded workloads and a
+throwaway Redis. The scripts run as `python bench/<name>.py`, so this folder is on sys.path
+and everything else they use is the installed package."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.services.launcher.local_redis import LocalRedis
 from baton.services.loadtest.metrics import percentile  # noqa: F401 - re-exported for the engine benchmarks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +26,20 @@ def bench_model(arch: str = "llama") -> Path:
     if not (path / "model.safetensors").exists():
         make_tiny_model(path, arch=arch, preset="bench")
     return path
+
+
+@contextlib.contextmanager
+def redis_url(url: str | None = None) -> Iterator[str]:
+    """`url` when given, else a redis-server of its own on a free loopback port, stopped on exit."""
+    if url is not None:
+        yield url
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        server = LocalRedis(Path(tmp))
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 @dataclass(frozen=True, slots=True)

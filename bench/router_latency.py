@@ -26,18 +26,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testlib: the redis-server fixture
-
-from baton.services.engine.core.kv_events import KVCacheSnapshot  # noqa: E402
-from baton.services.router import (  # noqa: E402
+from baton.services.engine.core.kv_events import KVCacheSnapshot
+from baton.services.roles import Role
+from baton.services.router import (
     Keyspace,
     PrefixRouter,
     PromptHasher,
@@ -46,11 +41,10 @@ from baton.services.router import (  # noqa: E402
     RouterConfig,
     WorkerInfo,
     WorkerLoad,
-    WorkerRole,
     create_redis_client,
     new_epoch,
 )
-from testlib.redis_server import RedisServer  # noqa: E402
+from common import redis_url
 
 BLOCK_SIZE = 16
 PROMPT_BLOCKS = 128
@@ -68,7 +62,7 @@ def build_index(config: RouterConfig, num_workers: int, num_blocks: int, rng: ra
     doc_hashes = [hasher.block_hashes(tokens) for tokens in docs]
     infos = []
     for w in range(num_workers):
-        info = WorkerInfo(f"prefill-{w}", new_epoch(), WorkerRole.PREFILL, config.model, BLOCK_SIZE, 1, f"r{w}")
+        info = WorkerInfo(f"prefill-{w}", new_epoch(), Role.PREFILL, config.model, BLOCK_SIZE, 1, f"r{w}")
         cached: set[bytes] = set()
         for d in rng.sample(range(NUM_DOCS), DOCS_PER_WORKER):
             cached.update(doc_hashes[d][: rng.randint(0, PROMPT_BLOCKS)])
@@ -129,26 +123,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = None if args.redis_url else RedisServer(Path(tmp))
-        if server is not None:
-            server.start()
-        try:
-            url = args.redis_url or server.url
-            config = RouterConfig(model="bench", block_size=BLOCK_SIZE, redis=RedisConfig(url=url, socket_timeout_s=1))
-            create_redis_client(config.redis).flushall()
-            index, infos, docs = build_index(config, args.workers, args.blocks, rng)
-            stop = threading.Event()
-            reporter = threading.Thread(target=report_loads, args=(index, infos, stop), daemon=True)
-            reporter.start()
-            run(config, docs, args.decisions, rng)
-            for num_threads in [int(n) for n in args.threads.split(",") if n]:
-                run_threads(config, docs, args.decisions, num_threads, rng)
-            stop.set()
-            reporter.join()
-        finally:
-            if server is not None:
-                server.stop()
+    with redis_url(args.redis_url) as url:
+        config = RouterConfig(model="bench", block_size=BLOCK_SIZE, redis=RedisConfig(url=url, socket_timeout_s=1))
+        create_redis_client(config.redis).flushall()
+        index, infos, docs = build_index(config, args.workers, args.blocks, rng)
+        stop = threading.Event()
+        reporter = threading.Thread(target=report_loads, args=(index, infos, stop), daemon=True)
+        reporter.start()
+        run(config, docs, args.decisions, rng)
+        for num_threads in [int(n) for n in args.threads.split(",") if n]:
+            run_threads(config, docs, args.decisions, num_threads, rng)
+        stop.set()
+        reporter.join()
 
 
 def run(config: RouterConfig, docs: list[list[int]], num_decisions: int, rng: random.Random) -> None:

@@ -27,22 +27,17 @@ import argparse
 import heapq
 import itertools
 import random
-import sys
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testlib: the redis-server fixture
-
-from baton.services.engine.api.sampling_params import SamplingParams  # noqa: E402
-from baton.services.engine.core.block_hash import hash_request_tokens  # noqa: E402
-from baton.services.engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from baton.services.engine.core.kv_events import KVCacheSnapshot  # noqa: E402
-from baton.services.engine.core.request import Request  # noqa: E402
-from baton.services.router import (  # noqa: E402
+from baton.services.engine.api.sampling_params import SamplingParams
+from baton.services.engine.core.block_hash import hash_request_tokens
+from baton.services.engine.core.kv_cache_manager import KVCacheManager
+from baton.services.engine.core.kv_events import KVCacheSnapshot
+from baton.services.engine.core.request import Request
+from baton.services.roles import Role
+from baton.services.router import (
     Keyspace,
     PolicyConfig,
     PrefixAwarePolicy,
@@ -53,11 +48,10 @@ from baton.services.router import (  # noqa: E402
     RoutingRequest,
     WorkerInfo,
     WorkerLoad,
-    WorkerRole,
     WorkerView,
     create_redis_client,
 )
-from testlib.redis_server import RedisServer  # noqa: E402
+from common import redis_url
 
 BLOCK_SIZE = 16
 VOCAB = 32_000
@@ -113,7 +107,7 @@ class Simulation:
         self.now_ms = 0.0
         self.workers = [
             SimWorker(
-                WorkerInfo(f"p{i}", f"{i + 1:024x}", WorkerRole.PREFILL, "sim", BLOCK_SIZE, 1, f"p{i}"),
+                WorkerInfo(f"p{i}", f"{i + 1:024x}", Role.PREFILL, "sim", BLOCK_SIZE, 1, f"p{i}"),
                 KVCacheManager(
                     BLOCK_SIZE, args.cache_blocks, warm_window_s=args.warm_window_s, clock=lambda: self.now_ms / 1000
                 ),
@@ -267,10 +261,10 @@ def main() -> None:
         f"{args.cache_blocks} blocks of {BLOCK_SIZE} each"
     )
     results = {}
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
+    with redis_url() as url:
         for name in ("round-robin", "prefix-aware", "oracle"):
             requests = [SimRequest(r.request_id, r.token_ids, r.block_hashes, r.arrival_ms) for r in workload]
-            results[name] = Simulation(args, name, server.url).run(requests)
+            results[name] = Simulation(args, name, url).run(requests)
     oracle = results["oracle"]["hit_rate"]
     print(f"{'policy':13s} {'hit rate':>8s} {'/oracle':>8s} {'busy max/mean':>14s} {'reqs max/mean':>14s} "
           f"{'util':>5s} {'TTFT p50':>9s} {'TTFT p99':>9s}")  # fmt: skip
