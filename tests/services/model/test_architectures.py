@@ -31,6 +31,6 @@ def test_architecture_specifics_are_read():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_lower_precision_runs(llama_dir, dtype):
     llm = LLM(model=str(llama_dir), num_kv_blocks=64, dtype=dtype)
-    assert llm.core.executor.worker.runner.dtype.itemsize == 2
+    assert llm.core.executor.rank.runner.dtype.itemsize == 2
     (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(out.token_ids) == 8
