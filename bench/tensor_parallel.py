@@ -27,7 +27,7 @@ def run(model_dir, tp: int, requests) -> tuple[float, int, float]:
     executor = llm.core.executor
     if tp > 1:
         ray = import_ray()
-        ray.get([w.collective_stats.remote() for w in executor.workers])  # reset
+        ray.get([w.collective_stats.remote() for w in executor.ranks])  # reset
     steps_before = len(llm.core.step_window.steps)
     start = time.perf_counter()
     llm.generate([r.prompt_token_ids for r in requests], params)
@@ -35,7 +35,7 @@ def run(model_dir, tp: int, requests) -> tuple[float, int, float]:
     steps = len(llm.core.step_window.steps) - steps_before
     collective = 0.0
     if tp > 1:
-        per_rank = ray.get([w.collective_stats.remote() for w in executor.workers])
+        per_rank = ray.get([w.collective_stats.remote() for w in executor.ranks])
         collective = max(seconds for seconds, _ in per_rank)
     llm.shutdown()
     return elapsed, steps, collective

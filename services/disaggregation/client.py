@@ -22,7 +22,7 @@ from typing import Any
 from ..engine.api.handover import Handover, KVPath, can_disaggregate
 from ..engine.api.outputs import RequestOutput
 from ..gateway.engine_client import ColocatedClient, EngineClient, PlacementTrace, answers, until_finished
-from ..workers.messages import DecodeCall, GenerateCall, WorkerModelInfo
+from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 
 
 class DisaggregatedClient(EngineClient):

@@ -9,6 +9,7 @@ starts, in `resolve_engine_config`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -76,11 +77,21 @@ class ParallelConfig(BaseModel):
 
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks holding the model's shards")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "STRICT_PACK", description="Ray placement-group strategy for the TP workers"
+        "STRICT_PACK", description="Ray placement-group strategy for the TP ranks"
     )
-    worker_timeout_s: float = Field(
-        120.0, gt=0, description="A step that takes longer than this marks the worker group dead"
+    rank_timeout_s: float = Field(
+        120.0, gt=0, description="A step that takes longer than this marks the rank group dead"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        # "worker" names a Serve engine replica; a TP shard is a rank (docs/architecture.md).
+        if isinstance(data, dict) and "worker_timeout_s" in data:
+            warnings.warn("parallel.rank_timeout_s is deprecated: write rank_timeout_s", FutureWarning, stacklevel=2)
+            data = {**data}
+            data.setdefault("rank_timeout_s", data.pop("worker_timeout_s"))
+        return data
 
 
 class RunnerConfig(BaseModel):
@@ -133,3 +144,4 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "kv_transfer": KVTransferConfig,
 }
 _FIELD_TO_SECTION = {field: section for section, model in _SECTIONS.items() for field in model.model_fields}
+_FIELD_TO_SECTION["worker_timeout_s"] = "parallel"  # the old name of rank_timeout_s

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine.api.handover import KVPath
 from ..engine.api.outputs import RequestOutput
-from ..workers.messages import GenerateCall, WorkerModelInfo
+from ..worker_calls import GenerateCall, WorkerModelInfo
 
 
 @dataclass(slots=True)

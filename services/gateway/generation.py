@@ -23,7 +23,7 @@ from ..engine.api.prompt_checks import check_prompt_ids, check_prompt_text
 from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
 from ..serving_errors import NotFoundError
-from ..workers.messages import GenerateCall, WorkerModelInfo
+from ..worker_calls import GenerateCall, WorkerModelInfo
 from .engine_client import EngineClient, PlacementTrace
 
 

@@ -6,7 +6,7 @@ from baton.v1 import inference_pb2 as pb
 
 from ..engine.api.sampling_params import SamplingParams
 from ..engine.errors import InvalidRequestError
-from ..workers.messages import WorkerModelInfo
+from ..worker_calls import WorkerModelInfo
 from .generation import GenerationEvent, GenerationRequest
 
 # Proto field -> SamplingParams field, for the optional scalars (unset means the default).

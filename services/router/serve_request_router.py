@@ -30,7 +30,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from .. import metrics
 from ..engine.core.block_hash import BlockHash
-from ..workers.messages import DecodeCall, GenerateCall
+from ..worker_calls import DecodeCall, GenerateCall
 from .config import RouterConfig
 from .policy import Placement, RankedWorker
 from .router import PrefixRouter

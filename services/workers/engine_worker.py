@@ -20,13 +20,14 @@ from ..engine.api.outputs import RequestOutput
 from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
 from ..engine.stats import EngineStats
+from ..kv_transfer.config import FaultInjection
 from ..metrics import EngineMetrics
 from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
 from ..serving_errors import ServerOverloadedError
-from .messages import DecodeCall, GenerateCall, WorkerModelInfo
+from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,8 @@ class EngineWorker:
         finally:
             await stream.aclose()
 
-    async def set_kv_faults(self, faults) -> None:
-        """Test hook: fault injection on this worker's KV sends (needs kv_transfer.allow_fault_injection)."""
+    async def set_kv_faults(self, faults: FaultInjection) -> None:
+        """Fault injection on this worker's KV sends (see Executor.set_kv_faults)."""
         await self.llm.run_in_engine(lambda core: core.executor.set_kv_faults(faults))
 
     async def abort(self, request_id: str) -> bool:

@@ -7,7 +7,8 @@ packages that share a layer stay independent of each other):
     model                  the model's layers and its loader
     kv_transfer            the KV handover's transports
     engine                 scheduler, KV cache, model runner; LLM and AsyncLLM
-    serving_errors, router how serving maps engine errors; the prefix-aware router
+    serving_errors, worker_calls   how serving maps engine errors; what the gateway sends workers
+    router                 the prefix-aware router (its Serve request router reads worker calls)
     workers                the engine worker replica (registers with the router)
     gateway                gRPC and OpenAI HTTP in front of the workers
     disaggregation         prefill then decode, through the gateway's EngineClient
@@ -34,7 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("kv_transfer",),
     ("engine",),
-    ("serving_errors", "router"),
+    ("serving_errors", "worker_calls"),
+    ("router",),
     ("workers",),
     ("gateway",),
     ("disaggregation",),

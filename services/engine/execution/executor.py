@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from ...kv_transfer.config import FaultInjection
 from ...model.config import ModelArch
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -23,6 +24,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def set_kv_faults(self, faults: FaultInjection) -> None:
+        """Fault injection on every rank's KV sends, for failure-path tests (refused unless
+        kv_transfer.allow_fault_injection is set)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
@@ -41,7 +47,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.rank.execute_model(scheduler_output)
 
-    def set_kv_faults(self, faults) -> None:
+    def set_kv_faults(self, faults: FaultInjection) -> None:
         self.rank.set_kv_faults(faults)
 
     def shutdown(self) -> None:

@@ -18,6 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ...kv_transfer.config import FaultInjection
 from ...kv_transfer.connector import KVConnector
 from ...kv_transfer.factory import create_connector
 from ...model.config import ModelArch
@@ -60,7 +61,7 @@ class ModelRank:
 
     def init_distributed(self, init_method: str) -> None:
         backend = backend_for_device(self.device)
-        timeout = datetime.timedelta(seconds=self.config.parallel.worker_timeout_s)
+        timeout = datetime.timedelta(seconds=self.config.parallel.rank_timeout_s)
         dist.init_process_group(
             backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
@@ -103,8 +104,10 @@ class ModelRank:
         """Where decode workers reach this rank's KV transfer server (None: no connector)."""
         return self.connector.endpoint if self.connector is not None else None
 
-    def set_kv_faults(self, faults) -> None:
-        """Test hook: fault injection on this rank's sends (if the config allows it)."""
+    def set_kv_faults(self, faults: FaultInjection) -> None:
+        """Fault injection on this rank's sends (see Executor.set_kv_faults)."""
+        if self.connector is None:
+            raise RuntimeError("this engine has no KV connector (kv_transfer.role is colocated): no sends to fault")
         self.connector.set_faults(faults)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ next step, so all ranks hold the same token history).
 
 Ranks are placed with a placement group (STRICT_PACK on one node by default); inside a
 Ray Serve replica that already reserved bundles, the group uses the replica's own.
-A rank that dies or a step that outlasts `worker_timeout_s` ends the group: the caller
+A rank that dies or a step that outlasts `rank_timeout_s` ends the group: the caller
 gets `RankGroupError`, the actors and the placement group are released.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ...kv_transfer.config import FaultInjection
 from ...kv_transfer.types import KVTransferStatus
 from ...model.config import ModelArch
 from ...ray_env import ensure_ray
@@ -45,7 +46,7 @@ class RayTPExecutor(Executor):
         self.config = config
         self.world_size = size = config.parallel.tensor_parallel_size
         self._transfers = TransferStatusMerger(size)
-        self.timeout_s = config.parallel.worker_timeout_s
+        self.timeout_s = config.parallel.rank_timeout_s
         use_gpu = _wants_gpu(config, ray)
         resource = "GPU" if use_gpu else "CPU"
         available = ray.cluster_resources().get(resource, 0)
@@ -105,7 +106,7 @@ class RayTPExecutor(Executor):
             result.kv_transfer = self._transfers.merge([o.kv_transfer for o in outputs])
         return result
 
-    def set_kv_faults(self, faults) -> None:
+    def set_kv_faults(self, faults: FaultInjection) -> None:
         self._wait_all([r.set_kv_faults.remote(faults) for r in self.ranks])
 
     def named_parameters(self) -> list[dict]:

@@ -89,7 +89,7 @@ def test_invalid_sizes_fail_at_start_up(ray_cluster, llama_dir):
 
 
 def test_a_killed_rank_is_an_error_not_a_hang(ray_cluster, llama_dir):
-    llm = LLM(model=str(llama_dir), num_kv_blocks=64, tensor_parallel_size=2, worker_timeout_s=30)
+    llm = LLM(model=str(llama_dir), num_kv_blocks=64, tensor_parallel_size=2, rank_timeout_s=30)
     executor = llm.core.executor
     llm.generate(["warm up"], SamplingParams(max_tokens=2))
     ray_cluster.kill(executor.ranks[1])

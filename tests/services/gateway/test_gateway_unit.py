@@ -9,7 +9,7 @@ from baton.services.gateway.engine_client import EngineClient
 from baton.services.gateway.gateway import Gateway
 from baton.services.gateway.openai_api import build_http_app
 from baton.services.serving_errors import NoHealthyWorkersError, ServerOverloadedError
-from baton.services.workers.messages import WorkerModelInfo
+from baton.services.worker_calls import WorkerModelInfo
 from baton.v1 import inference_pb2 as pb
 from fastapi.testclient import TestClient
 from testlib.models import tiny_model

@@ -1,11 +1,12 @@
-"""What the gateway sends to engine workers (pickled by Ray between replicas)."""
+"""What the gateway sends to engine workers (pickled by Ray between replicas); the router's
+Serve request router reads the prompt from these calls to place them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.api.handover import Handover
-from ..engine.api.sampling_params import SamplingParams
+from .engine.api.handover import Handover
+from .engine.api.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
