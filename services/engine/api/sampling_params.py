@@ -15,6 +15,43 @@ from ..errors import InvalidRequestError
 GREEDY_TEMPERATURE = 1e-5
 
 
+class StructuredOutputKind(enum.StrEnum):
+    JSON = "json"  # a JSON schema (spec: the schema as a JSON string)
+    JSON_OBJECT = "json_object"  # any JSON object (no spec)
+    REGEX = "regex"  # spec: the pattern the whole output matches
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    GRAMMAR = "grammar"  # spec: an EBNF/GBNF grammar with a `root` rule
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputParams:
+    """What the output must match; compiled by the engine (engine/structured_output)."""
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    # JSON kinds: allow free whitespace between tokens. Off by default: small models fill
+    # JSON with whitespace until max_tokens when they may.
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        field_name = self.field_name
+        if self.kind is StructuredOutputKind.CHOICE:
+            _check(bool(self.choices), field_name, "needs at least one choice")
+            _check(all(isinstance(c, str) and c for c in self.choices), field_name, "choices must be non-empty strings")
+            _check(not self.spec, field_name, "takes choices, not a spec")
+        elif self.kind is StructuredOutputKind.JSON_OBJECT:
+            _check(not self.spec and not self.choices, field_name, "takes no schema (use json for a schema)")
+        else:
+            _check(bool(self.spec and self.spec.strip()), field_name, "must not be empty")
+            _check(not self.choices, field_name, "takes a spec, not choices")
+
+    @property
+    def field_name(self) -> str:
+        """How errors name this constraint (the API field it came from maps onto it)."""
+        return f"structured_output.{self.kind.value}"
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries all tokens and text so far
     DELTA = 1  # every output carries only what is new since the previous one
@@ -45,6 +82,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_output: StructuredOutputParams | None = None  # constrain the output (JSON, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +133,12 @@ class SamplingParams:
             _check(self.max_tokens is not None, "max_tokens", "beam search needs max_tokens")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.structured_output is not None:
+            _check(
+                not self.use_beam_search,
+                "use_beam_search",
+                "beam search cannot be combined with structured output (beams would each need a grammar state)",
+            )
 
     @property
     def is_greedy(self) -> bool:
