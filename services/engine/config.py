@@ -113,6 +113,18 @@ class RunnerConfig(BaseModel):
     )
 
 
+class StructuredOutputConfig(BaseModel):
+    model_config = _FROZEN
+
+    compile_timeout_s: float = Field(
+        10.0, gt=0, description="A grammar that takes longer to compile fails its request (400)"
+    )
+    num_compile_threads: int = Field(1, ge=1, description="Threads compiling grammars beside the engine loop")
+    grammar_cache_size: int = Field(
+        256, ge=0, description="Compiled grammars kept for reuse, keyed by kind, spec and whitespace"
+    )
+
+
 class EngineConfig(BaseModel):
     model_config = _FROZEN
 
@@ -122,6 +134,7 @@ class EngineConfig(BaseModel):
     parallel: ParallelConfig = ParallelConfig()
     runner: RunnerConfig = RunnerConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    structured_output: StructuredOutputConfig = StructuredOutputConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -142,6 +155,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "runner": RunnerConfig,
     "kv_transfer": KVTransferConfig,
+    "structured_output": StructuredOutputConfig,
 }
 _FIELD_TO_SECTION = {field: section for section, model in _SECTIONS.items() for field in model.model_fields}
 _FIELD_TO_SECTION["worker_timeout_s"] = "parallel"  # the old name of rank_timeout_s

@@ -29,9 +29,11 @@ from .core.request_group import RequestGroups
 from .core.scheduler import Scheduler
 from .core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .engine_setup import check_engine_config, create_executor, resolve_max_model_len
+from .errors import InvalidRequestError
 from .execution.executor import Executor
 from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
+from .structured_output.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +59,21 @@ class EngineCore:
             config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len, config.kv_transfer.lease_s
         )
         self.publisher = kv_event_publisher or NullKVEventPublisher()
-        self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len)
+        eos = frozenset(
+            self.arch.eos_token_ids
+            or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        )
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos, config.structured_output)
+        self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len, self.grammars)
         self.worker_id = worker_id
         self.outputs = OutputProcessor(self.tokenizer, worker_id)
-        eos = self.arch.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        )
         self.groups = RequestGroups(
-            self.scheduler, self.outputs, frozenset(eos), config.model.seed, self._transfer_params
+            self.scheduler, self.outputs, eos, self.arch.vocab_size, config.model.seed, self._transfer_params
         )
+        # Structured output: prepared requests whose grammar is still compiling, and those
+        # whose grammar failed (handed to the caller by take_failures).
+        self.waiting_for_grammar: list[PreparedRequest] = []
+        self._failures: list[tuple[str, InvalidRequestError]] = []
         self.last_step_num_tokens = 0
         self.step_costs = StepCostModel(self.arch, self.executor.dtype_bytes, config.parallel.tensor_parallel_size)
         self.step_window = StepWindow()
@@ -99,15 +107,27 @@ class EngineCore:
         return self.inputs.prepare(request_id, prompt, params, cache_salt, arrival_time, handover)
 
     def submit(self, prepared: PreparedRequest) -> None:
-        """Queues a prepared request (on the thread that runs `step`)."""
+        """Queues a prepared request (on the thread that runs `step`); one whose grammar is
+        still compiling waits beside the scheduler until it is ready."""
+        if prepared.grammar is not None and not prepared.grammar.done():
+            if self.groups.is_known(prepared.request_id) or self._is_compiling(prepared.request_id):
+                raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in use")
+            self.waiting_for_grammar.append(prepared)
+            return
         self.groups.add(prepared)
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its blocks; its output says "abort"."""
+        self.waiting_for_grammar = [p for p in self.waiting_for_grammar if p.request_id != request_id]
         self.groups.abort(request_id)
 
+    def take_failures(self) -> list[tuple[str, InvalidRequestError]]:
+        """Requests refused after `submit` (their grammar failed to compile or timed out)."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or bool(self.outputs.states)
+        return bool(self.groups) or bool(self.outputs.states) or bool(self.waiting_for_grammar)
 
     def needs_polling(self) -> bool:
         """KV transfers in flight or leases held: steps must keep running to see them end."""
@@ -116,7 +136,10 @@ class EngineCore:
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.grammar_bitmasks = self.groups.grammar_bitmasks(scheduler_output)
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         if (
             not scheduler_output.is_empty
@@ -158,10 +181,30 @@ class EngineCore:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
         self.publisher.close()
 
     # -- internals --------------------------------------------------------------------
+
+    def _is_compiling(self, request_id: str) -> bool:
+        return any(p.request_id == request_id for p in self.waiting_for_grammar)
+
+    def _admit_compiled(self) -> None:
+        """Queues the requests whose grammar compiled; fails those whose grammar did not."""
+        now, still_compiling = time.monotonic(), []
+        for prepared in self.waiting_for_grammar:
+            timed_out = prepared.grammar_timed_out(now)
+            if timed_out is not None:
+                self._failures.append((prepared.request_id, timed_out))
+            elif not prepared.grammar.done():
+                still_compiling.append(prepared)
+            else:
+                try:
+                    self.groups.add(prepared)
+                except InvalidRequestError as error:
+                    self._failures.append((prepared.request_id, error))
+        self.waiting_for_grammar = still_compiling
 
     def _update(self, runner_output: ModelRunnerOutput) -> None:
         now = time.monotonic()

@@ -226,6 +226,8 @@ class AsyncLLM:
                     self._wakeup.clear()
                     continue
                 outputs = self.core.step()
+                for request_id, error in self.core.take_failures():
+                    self._deliver_error(request_id, error)
                 if self.core.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
                     self._wakeup.wait(timeout=_POLL_TICK_S)
                     self._wakeup.clear()

@@ -8,12 +8,14 @@ it too, so the block hashes a router computes match the engine's.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ...model.config import ModelArch
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
+from ..structured_output.grammar_compiler import GrammarCompiler
 from .handover import Handover, can_disaggregate
 from .prompt_checks import check_prompt_ids, check_prompt_text
 from .sampling_params import SamplingParams
@@ -37,6 +39,33 @@ class PreparedRequest:
     cache_salt: str | None
     arrival_time: float
     handover: Handover | None = None  # disaggregation: which side of a P/D handover
+    grammar: Future | None = None  # structured output: the grammar compiling for it
+    grammar_deadline: float = 0.0  # time.monotonic() by which it must have compiled
+
+    def compiled_grammar(self) -> Any:
+        """The compiled grammar (None without structured output); raises InvalidRequestError
+        if it failed. Call once the future is done."""
+        return None if self.grammar is None else self.grammar.result()
+
+    def grammar_timed_out(self, now: float) -> InvalidRequestError | None:
+        if self.grammar is None or self.grammar.done() or now < self.grammar_deadline:
+            return None
+        return self._timeout_error()
+
+    def wait_for_grammar(self) -> None:
+        """Blocks until the grammar compiled (offline callers); raises InvalidRequestError."""
+        if self.grammar is None:
+            return
+        try:
+            self.grammar.result(timeout=max(0.0, self.grammar_deadline - time.monotonic()))
+        except TimeoutError:
+            raise self._timeout_error() from None
+
+    def _timeout_error(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            self.params.structured_output.field_name,
+            "did not compile in time (structured_output.compile_timeout_s); simplify it or raise the limit",
+        )
 
     @property
     def output_prefix(self) -> tuple[int, ...]:
@@ -45,11 +74,19 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, arch: ModelArch, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        tokenizer: Any,
+        max_model_len: int,
+        grammars: GrammarCompiler,
+    ) -> None:
         self.config = config
         self.arch = arch
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def prepare(
         self,
@@ -70,6 +107,10 @@ class InputProcessor:
         self._validate(prompt_ids, params)
         if handover is not None:
             self._validate_handover(prompt_ids, params, handover)
+        now = time.monotonic()
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.submit(params.structured_output)  # compiles beside the engine loop
         return PreparedRequest(
             request_id=request_id,
             prompt=prompt_text,
@@ -78,8 +119,10 @@ class InputProcessor:
             max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids)),
             seed=params.seed,
             cache_salt=cache_salt,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time=arrival_time if arrival_time is not None else now,
             handover=handover,
+            grammar=grammar,
+            grammar_deadline=now + self.config.structured_output.compile_timeout_s,
         )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -45,7 +45,9 @@ class LLM:
         for prompt, sp in zip(prompts, params):
             final = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             prepared.append(self.core.prepare(f"offline-{next(self._ids)}", _prompt_value(prompt), final))
-        for request in prepared:  # every prompt validated before any is queued
+        for request in prepared:  # every prompt (and grammar) validated before any is queued
+            request.wait_for_grammar()
+        for request in prepared:
             self.core.submit(request)
         finished: dict[str, RequestOutput] = {}
         while self.core.has_unfinished_requests():

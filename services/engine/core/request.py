@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ...kv_transfer.types import KVTransferParams
 from ..api.handover import Handover, KVPath
 from ..api.sampling_params import SamplingParams
+from ..structured_output.request_grammar import RequestGrammar
 from .block_hash import BlockHash, ExtraKeys, hash_request_tokens
 
 
@@ -54,6 +55,7 @@ class Request:
     # Disaggregation: the prefill side ends at the first token (its blocks leased if it goes
     # on); the decode side receives the prompt's K/V before it runs.
     handover: Handover | None = None
+    grammar: RequestGrammar | None = None  # structured output: what the output has matched so far
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

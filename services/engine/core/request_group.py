@@ -14,20 +14,27 @@ one `Request` factory; it turns each sampled token into scheduler and output upd
 from __future__ import annotations
 
 import enum
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ...kv_transfer.types import KVTransferParams
 from ..api.input_processor import PreparedRequest
 from ..api.output_processor import OutputProcessor
 from ..api.sampling_params import SamplingParams
 from ..errors import InvalidRequestError
+from ..structured_output.request_grammar import RequestGrammar
 from .beam_search import Beam, BeamSearchGroup, beam_member_params
 from .block_hash import request_extra_keys
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
-from .scheduler_output import SampledToken
+from .scheduler_output import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class MemberKind(enum.Enum):
@@ -53,6 +60,8 @@ class RequestGroup:
     prepared: PreparedRequest
     seed: int  # the user's, or one the engine drew
     eos_token_ids: frozenset[int]
+    vocab_size: int
+    compiled_grammar: Any = None  # structured output: each sampling request gets its own matcher
     engine_ids: list[str] = field(default_factory=list)  # live engine requests
     beams: BeamSearchGroup | None = None
 
@@ -67,6 +76,14 @@ class RequestGroup:
     ) -> Request:
         """The one place an engine request is built."""
         prepared = self.prepared
+        output_token_ids = list(output_token_ids or ())
+        grammar = None
+        if self.compiled_grammar is not None and needs_sampling:
+            grammar = RequestGrammar(self.compiled_grammar, self.vocab_size)
+            if not grammar.accept_all(output_token_ids):  # tokens another worker generated
+                raise InvalidRequestError(
+                    prepared.params.structured_output.field_name, "the tokens handed over do not match it"
+                )
         return Request(
             request_id=engine_id,
             prompt_token_ids=prepared.prompt_token_ids if token_ids is None else token_ids,
@@ -78,7 +95,8 @@ class RequestGroup:
             arrival_time=prepared.arrival_time,
             needs_sampling=needs_sampling,
             handover=prepared.handover,
-            output_token_ids=list(output_token_ids or ()),
+            grammar=grammar,
+            output_token_ids=output_token_ids,
         )
 
 
@@ -88,12 +106,14 @@ class RequestGroups:
         scheduler: Scheduler,
         outputs: OutputProcessor,
         eos_token_ids: frozenset[int],
+        vocab_size: int,
         seed: int,
         transfer_params: Callable[[Request], KVTransferParams],
     ) -> None:
         self.scheduler = scheduler
         self.outputs = outputs
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.transfer_params = transfer_params  # where a decode worker fetches a leased prompt
         self._rng = random.Random(seed)
         self.groups: dict[str, RequestGroup] = {}
@@ -108,12 +128,21 @@ class RequestGroups:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def is_known(self, user_id: str) -> bool:
+        return user_id in self.groups or user_id in self.outputs.states
+
     def add(self, prepared: PreparedRequest) -> None:
+        """Queues the engine requests of a prepared request whose grammar (if any) is compiled;
+        raises InvalidRequestError (a reused id, a grammar that failed) before queueing any."""
         user_id, params, prompt_ids = prepared.request_id, prepared.params, prepared.prompt_token_ids
-        if user_id in self.groups or user_id in self.outputs.states:
+        if self.is_known(user_id):
             raise InvalidRequestError("request_id", f"{user_id!r} is already in use")
+        compiled = prepared.compiled_grammar()
         seed = prepared.seed if prepared.seed is not None else self._rng.getrandbits(63)
-        group = self.groups[user_id] = RequestGroup(user_id, prepared, seed, self.eos_token_ids)
+        group = RequestGroup(user_id, prepared, seed, self.eos_token_ids, self.vocab_size, compiled)
+        if params.n == 1 and not params.use_beam_search:
+            first = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))  # may refuse the tokens
+        self.groups[user_id] = group
         num_samples = params.beam_width if params.use_beam_search else params.n
         self.outputs.add_request(
             user_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples, prepared.output_prefix
@@ -123,8 +152,7 @@ class RequestGroups:
             group.beams = BeamSearchGroup(user_id, params, self.eos_token_ids, [Beam(first, 0.0)])
             self._submit(first, Member(user_id, MemberKind.BEAM))
         elif params.n == 1:
-            request = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))
-            self._submit(request, Member(user_id, MemberKind.SAMPLE))
+            self._submit(first, Member(user_id, MemberKind.SAMPLE))
         elif len(prompt_ids) == 1:
             for i in range(params.n):
                 child = group.new_request(f"{user_id}/{i}", seed=_child_seed(seed, i))
@@ -159,15 +187,32 @@ class RequestGroups:
                 self._advance_beams(self.groups[member.user_id])
             return
         finished = self.scheduler.append_token(request, sampled.token_id)
+        if request.grammar is not None and self._grammar_ends(request, sampled.token_id):
+            self.scheduler.stop(request)
+            finished = True
         stop_string = self.outputs.on_token(member.user_id, member.index, sampled.token_id, sampled, request)
         if stop_string is not None:
-            self.scheduler.stop_on_string(request, stop_string)
+            self.scheduler.stop(request, stop_string)
             finished = True
         if finished:
             if self.scheduler.is_leased(request_id):
                 self.outputs.set_kv_transfer_params(member.user_id, self.transfer_params(request))
             self.outputs.on_finished(member.user_id, member.index, request)
             self._release(request_id)
+
+    def grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Allowed next tokens of each constrained request that samples in this step."""
+        masks = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.scheduler.get_request(request_id)
+            # The scheduler has already advanced num_computed_tokens past this step's tokens.
+            if (
+                request.grammar is not None
+                and request.needs_sampling
+                and request.num_computed_tokens >= request.num_tokens
+            ):
+                masks[request_id] = request.grammar.fill_bitmask()
+        return masks
 
     def fork_completed_prefixes(self) -> None:
         """n > 1: once the shared prompt prefix is computed, fork the n samples from it."""
@@ -186,6 +231,14 @@ class RequestGroups:
             self._release(request_id)
 
     # -- internals --------------------------------------------------------------------
+
+    def _grammar_ends(self, request: Request, token_id: int) -> bool:
+        """Advances the request's matcher; True once its output is complete. A token the
+        grammar refuses (the mask should make that impossible) ends the request too."""
+        if request.grammar.accept(token_id):
+            return request.grammar.is_terminated
+        logger.error("request %s sampled token %d that its grammar refuses; stopping it", request.request_id, token_id)
+        return True
 
     def _submit(self, request: Request, member: Member) -> None:
         self.scheduler.add_request(request)

@@ -178,13 +178,16 @@ class Scheduler:
             self._finished_since_last.add(request_id)
         return request
 
-    def stop_on_string(self, request: Request, stop_string: str) -> None:
-        """A stop string ends the request; on the token that also hit a length limit the
-        string wins, and a lease taken for a decode worker is given back."""
+    def stop(self, request: Request, stop_reason: str | None = None) -> None:
+        """A stop the output processor sees (a stop string, a completed grammar) ends the
+        request; on the token that also hit a length limit the stop wins, and a lease taken
+        for a decode worker is given back."""
         if not request.is_finished:
-            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
             return
-        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+        if stop_reason is None and request.status == RequestStatus.FINISHED_STOPPED:
+            return  # a completed grammar after EOS or a stop token: keep that reason
+        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
         self.handover.release(request.request_id)
 
     def is_leased(self, request_id: str) -> bool:

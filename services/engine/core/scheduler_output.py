@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ...kv_transfer.types import KVRecvTask, KVTransferStatus
 from ..api.sampling_params import SamplingParams
 
@@ -55,6 +57,9 @@ class SchedulerOutput:
     kv_leases_removed: list[str] = field(default_factory=list)
     # Decode side: prompts whose K/V to fetch into already allocated blocks.
     kv_recvs: list[KVRecvTask] = field(default_factory=list)
+    # Structured output: the allowed next tokens (int32 bitmask row) of each constrained
+    # request that samples this step.
+    grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def has_kv_work(self) -> bool:

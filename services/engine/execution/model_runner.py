@@ -116,7 +116,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if self.tp.rank != 0:
             return {}  # rank 0 samples for the group
-        rows = [self._sampling_row(self.requests[rid]) for rid in batch.sample_request_ids]
+        masks = scheduler_output.grammar_bitmasks
+        rows = [self._sampling_row(self.requests[rid], masks.get(rid)) for rid in batch.sample_request_ids]
         return dict(zip(batch.sample_request_ids, self.sampler(logits, rows)))
 
     def _hand_over(self, so: SchedulerOutput) -> None:
@@ -227,12 +228,13 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _sampling_row(state: CachedRequestState) -> SamplingRow:
+    def _sampling_row(state: CachedRequestState, grammar_bitmask: torch.Tensor | None) -> SamplingRow:
         return SamplingRow(
             params=state.sampling_params,
             generator=state.generator,
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            grammar_bitmask=grammar_bitmask,
         )
 
 

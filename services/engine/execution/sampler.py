@@ -4,7 +4,8 @@ Order of operations for one row (the statistical tests compute the same distribu
 
   raw logprobs = log_softmax(logits)                   (what `logprobs` reports)
   penalties    repetition (prompt + output), presence and frequency (output)
-  masks        EOS/stop tokens before min_tokens; allowed_token_ids
+  masks        allowed_token_ids; the grammar's bitmask (structured output); EOS/stop
+               tokens before min_tokens, unless the grammar allows nothing else
   greedy       argmax                                   (temperature 0)
   random       / temperature -> top-k -> top-p -> min-p -> softmax -> one draw
 
@@ -20,6 +21,7 @@ import torch
 
 from ..api.sampling_params import SamplingParams
 from ..core.scheduler_output import SampledToken
+from ..structured_output.bitmask import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -28,6 +30,7 @@ class SamplingRow:
     generator: torch.Generator
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar_bitmask: torch.Tensor | None = None  # [1, vocab / 32] int32: the tokens it allows
 
 
 class Sampler:
@@ -84,18 +87,24 @@ class Sampler:
         return logits
 
     def _apply_masks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        constrained = [i for i, row in enumerate(rows) if row.grammar_bitmask is not None]
+        if constrained:
+            apply_bitmask(logits, constrained, torch.cat([rows[i].grammar_bitmask for i in constrained]))
         for i, row in enumerate(rows):
             params = row.params
+            if params.allowed_token_ids is not None:
+                allowed = torch.full_like(logits[i], float("-inf"))
+                allowed[params.allowed_token_ids] = 0.0
+                logits[i] += allowed
             if len(row.output_token_ids) < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if not params.ignore_eos:
                     banned.extend(self.eos_token_ids)
                 if banned:
+                    kept = logits[i].clone()
                     logits[i, banned] = float("-inf")
-            if params.allowed_token_ids is not None:
-                allowed = torch.full_like(logits[i], float("-inf"))
-                allowed[params.allowed_token_ids] = 0.0
-                logits[i] += allowed
+                    if row.grammar_bitmask is not None and torch.isinf(logits[i]).all():
+                        logits[i] = kept  # a complete grammar only allows its end: min_tokens yields
         return logits
 
     # -- sampling ---------------------------------------------------------------------
