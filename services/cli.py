@@ -1,6 +1,6 @@
 """The `baton` command line.
 
-baton serve [--config configs/local.yaml] [--model DIR]   run the service locally
+baton serve [--config configs/local.yaml] [--model DIR] [--grace-period S]   run the service locally
 baton generate "prompt" [--max-tokens N ...]              stream a completion over gRPC
 baton make-tiny-model DIR [--arch llama|qwen3]            write a small random model
 baton bench run|compare ...                               load-test a server; compare result files
@@ -26,7 +26,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .launcher.launcher import serve_forever
 
-    return serve_forever(args.config, args.model)
+    return serve_forever(args.config, args.model, args.grace_period)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start Ray, Redis and the Baton application on this machine")
     serve.add_argument("--config", default=None, help="YAML config (default: configs/local.yaml)")
     serve.add_argument("--model", default=None, help="model folder (default: the config's, else a tiny random model)")
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=None,
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT/SIGHUP (default 20; a second signal: at once)",
+    )
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream a completion from a running Baton over gRPC")

@@ -1,16 +1,17 @@
 """`baton serve`: a local Ray cluster, a local Redis (unless the config names one), and the
-application, stopped cleanly on Ctrl-C or SIGTERM.
+application, stopped in order on SIGTERM, SIGINT (Ctrl-C) or SIGHUP: stop accepting, let
+in-flight requests finish within the grace period, shut Serve and Ray down, stop the Redis,
+exit 0. A second signal skips the rest of the drain (stop_signals.py).
 
 `LocalDeployment` is the same start-up as a context manager; the tests use it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from ..config import BatonConfig, load_config
 from ..ray_env import import_ray
 from .local_redis import LocalRedis, free_port
+from .stop_signals import StopRequested, StopSignals, ray_keeps_our_sigterm_handler
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
 # How often processes push metrics to Ray's exporter (Ray's default is 10 s).
 METRICS_REPORT_INTERVAL_MS = 2000
+# How long a stop lets in-flight requests finish: under Kubernetes' default termination grace
+# (30 s), leaving time for Serve, Ray and Redis to stop after it.
+DEFAULT_GRACE_PERIOD_S = 20.0
+DRAIN_POLL_S = 0.25
 GRPC_SERVICERS = [
     "baton.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -93,7 +99,10 @@ class LocalDeployment:
     grpc_address: str = ""
     http_address: str = ""
     metrics_address: str = ""  # Prometheus text format, Ray's exporter on this node
+    grace_period_s: float | None = None  # each replica's drain budget when stopped (None: Serve's 20 s)
+    signals: StopSignals | None = None  # `baton serve`'s handlers, installed again right after ray.init
     _started_ray: bool = field(default=False, repr=False)
+    _deployed: bool = field(default=False, repr=False)
 
     def start(self) -> LocalDeployment:
         ray = import_ray()
@@ -111,15 +120,18 @@ class LocalDeployment:
             )
             self.config = config
         if not ray.is_initialized():
-            ray.init(
-                include_dashboard=False,
-                num_cpus=self.num_cpus or local_num_cpus(config),
-                _temp_dir=str(self.run_dir / "ray"),
-                log_to_driver=False,
-                _metrics_export_port=self.metrics_export_port or free_port(),
-                _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
-            )
-            self._started_ray = True
+            self._started_ray = True  # before: a stop after a half-done ray.init still shuts it down
+            with ray_keeps_our_sigterm_handler() if self.signals is not None else contextlib.nullcontext():
+                ray.init(
+                    include_dashboard=False,
+                    num_cpus=self.num_cpus or local_num_cpus(config),
+                    _temp_dir=str(self.run_dir / "ray"),
+                    log_to_driver=False,
+                    _metrics_export_port=self.metrics_export_port or free_port(),
+                    _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+                )
+        if self.signals is not None:
+            self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         server = config.server
         http_port = server.http_port or free_port()
         grpc_port = server.grpc_port or free_port()
@@ -130,23 +142,54 @@ class LocalDeployment:
                 port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
             ),
         )
-        serve.run(build_app(config), name=config.name, route_prefix="/")
+        self._deployed = True  # from here a stop drains what may have started
+        serve.run(build_app(config, self.grace_period_s), name=config.name, route_prefix="/")
         self.grpc_address = f"127.0.0.1:{grpc_port}"
         node = ray.nodes()[0] if ray.nodes() else {}
         self.metrics_address = f"http://127.0.0.1:{node.get('MetricsExportPort', self.metrics_export_port)}/metrics"
         self.http_address = f"http://{server.http_host}:{http_port}"
         return self
 
-    def stop(self) -> None:
+    def drain(self, timeout_s: float) -> bool:
+        """Stops accepting and lets in-flight requests finish: deleting the application makes the
+        proxies refuse new calls to it (gRPC NOT_FOUND, HTTP 404) while each replica stops once
+        its ongoing requests are done, or after its `grace_period_s`. True if all were done
+        within `timeout_s`."""
         from ray import serve
 
+        if not self._deployed:
+            return True
+        serve.delete(self.config.name, _blocking=False)
+        deadline = time.monotonic() + timeout_s
+        while self.config.name in serve.status().applications:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(DRAIN_POLL_S)
+        return True
+
+    def stop(self, drain_s: float | None = None) -> None:
+        """Shuts Serve, Ray and the local Redis down, after a drain of up to `drain_s` if given."""
         try:
-            serve.shutdown()
+            self.stop_serving(drain_s)
         finally:
-            if self._started_ray:
-                import_ray().shutdown()
-            if self.redis is not None:
-                self.redis.stop()
+            self.stop_processes()
+
+    def stop_serving(self, drain_s: float | None = None) -> None:
+        """The drain (if `drain_s`) and Serve's shutdown: the part a second signal may cut short."""
+        if not import_ray().is_initialized():
+            return  # Serve's calls would start a Ray of their own
+        from ray import serve
+
+        if drain_s is not None and not self.drain(drain_s):
+            logger.warning("in-flight requests did not finish within %g s: they are cut", drain_s)
+        serve.shutdown()
+
+    def stop_processes(self) -> None:
+        """Ray (every process it started: replicas, proxies, raylet, GCS) and the local Redis."""
+        if self._started_ray:
+            import_ray().shutdown()
+        if self.redis is not None:
+            self.redis.stop()
 
     def __enter__(self) -> LocalDeployment:
         return self.start()
@@ -161,25 +204,43 @@ def _redis_config(url: str):
     return RedisConfig(url=url)
 
 
-def serve_forever(config_path: str | None, model: str | None) -> int:
+def serve_forever(config_path: str | None, model: str | None, grace_period_s: float | None = None) -> int:
+    grace_period_s = DEFAULT_GRACE_PERIOD_S if grace_period_s is None else grace_period_s
+    signals = StopSignals()
+    signals.install()  # until ray.init replaces them; LocalDeployment.start installs them again
     config = resolve_config(config_path, model)
     run_dir = baton_home() / "r" / str(os.getpid())
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    deployment = LocalDeployment(config, run_dir)
+    deployment = LocalDeployment(config, run_dir, grace_period_s=grace_period_s, signals=signals)
     print(f"starting Baton ({config.mode}, model {config.served_model_name}) ...", flush=True)
-    deployment.start()
     try:
+        deployment.start()
+        signals.serving()
         print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
         print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
         if deployment.redis is not None:
             print(f"Redis {deployment.redis.url}   (local)")
         print(f"Metrics {deployment.metrics_address}   (Prometheus)")
-        print("Ctrl-C to stop.", flush=True)
-        while not stop.is_set():
-            time.sleep(0.5)
+        print(
+            f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
+            flush=True,
+        )
+        while not signals.wait(0.5):
+            pass
+    except StopRequested:
+        pass
     finally:
-        print("stopping ...", flush=True)
-        deployment.stop()
+        try:
+            signals.draining()
+            if not signals.is_forced:
+                drain_s = grace_period_s if signals.is_requested else None
+                print(f"{signals.signal_name or 'exiting'}: stopping{' (draining)' if drain_s else ''} ...", flush=True)
+                deployment.stop_serving(drain_s)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signals.stopping()
+            if signals.is_forced:
+                print("second signal: stopping at once (in-flight requests are cut)", flush=True)
+            deployment.stop_processes()
+    print("stopped", flush=True)
     return 0

@@ -31,18 +31,23 @@ def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
     return DisaggregatedClient(workers["prefill"], workers["decode"])
 
 
-def build_app(config: BatonConfig):
+def build_app(config: BatonConfig, grace_period_s: float | None = None):
+    """`grace_period_s`: how long a stopping replica lets its in-flight requests finish (Serve's
+    `graceful_shutdown_timeout_s`, on every deployment; None keeps Serve's default, 20 s)."""
     import_ray()
     from ray import serve
 
+    stop_options = {} if grace_period_s is None else {"graceful_shutdown_timeout_s": grace_period_s}
     router_config = config.router_config() if config.router.redis is not None else None
-    workers = {role: _engine_deployment(config, role, router_config) for role in config.roles}
-    gateway = serve.deployment(serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options())
+    workers = {role: _engine_deployment(config, role, router_config, stop_options) for role in config.roles}
+    gateway = serve.deployment(
+        serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options(), **stop_options
+    )
     tokenizer = config.engine.model.tokenizer or config.engine.model.model
     return gateway.bind(workers, tokenizer, config.mode)
 
 
-def _engine_deployment(config: BatonConfig, role: Role, router_config):
+def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_options: dict[str, float]):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -57,7 +62,9 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config):
         )
     elif config.router.placement == "round_robin":
         options["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRequestRouter)
-    deployment = serve.deployment(EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options)
+    deployment = serve.deployment(
+        EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options, **stop_options
+    )
     return deployment.bind(
         role, config.engine_config(role), config.served_model_name, router_config, section.max_waiting_requests
     )

@@ -7,6 +7,7 @@
         args:
           config: {mode: disaggregated, engine: {...}, ...}   # the Baton config inline, and/or
           config_path: /etc/baton/baton.yaml                  # a YAML file (`config` is merged over it)
+          grace_period_s: 20                                  # the drain budget of a stopping replica
 
 Serve calls `app(args)` in a task on some node of the cluster, so a `config_path` must exist
 on every node (the Helm chart mounts its ConfigMap on every Ray pod). Secrets stay out of
@@ -33,6 +34,12 @@ class ServeArgs(BaseModel):
 
     config: dict[str, Any] = Field(default_factory=dict, description="The Baton config (services/config.py), inline")
     config_path: str | None = Field(None, description="A Baton config YAML file; `config` is merged over it")
+    grace_period_s: float | None = Field(
+        None,
+        gt=0,
+        description="How long a stopping replica lets in-flight requests finish (Serve's graceful_shutdown_timeout_s "
+        "on every deployment; unset: Serve's 20 s). The Helm chart sets it from shutdown.gracePeriodSeconds",
+    )
 
 
 def load_serve_config(args: ServeArgs) -> BatonConfig:
@@ -45,4 +52,4 @@ def load_serve_config(args: ServeArgs) -> BatonConfig:
 def app(args: ServeArgs) -> "Application":
     from .builder import build_app
 
-    return build_app(load_serve_config(args))
+    return build_app(load_serve_config(args), args.grace_period_s)

@@ -109,7 +109,7 @@ def test_in_chart_redis_is_wired_through_a_secret(rendered):
     secret = one(objects, "Secret")
     assert secret["metadata"]["name"] == "baton-redis" and len(secret["data"]["redis-password"]) >= 40
     (app,) = serve_config(objects)["applications"]
-    assert app["args"].keys() == {"config"}
+    assert app["args"].keys() == {"config", "grace_period_s"}
     expected = {
         "name": "BATON_REDIS_PASSWORD",
         "valueFrom": {"secretKeyRef": {"name": "baton-redis", "key": "redis-password"}},

@@ -91,7 +91,7 @@ group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's
 {{- $_ := set $http "request_timeout_s" . -}}
 {{- $_ := set $grpc "request_timeout_s" . -}}
 {{- end -}}
-{{- $app := dict "name" $cfg.name "import_path" "baton.services.serve_app.serve_entry:app" "route_prefix" "/" "args" (dict "config" $cfg) -}}
+{{- $app := dict "name" $cfg.name "import_path" "baton.services.serve_app.serve_entry:app" "route_prefix" "/" "args" (dict "config" $cfg "grace_period_s" .Values.shutdown.gracePeriodSeconds) -}}
 {{- $deployments := list -}}
 {{- range $role := splitList "," (include "baton.roles" $) -}}
 {{- if gt (include "baton.tensorParallelSize" (list $ $role) | int) 1 -}}

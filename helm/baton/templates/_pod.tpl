@@ -25,6 +25,9 @@ spec:
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- $shutdown := $root.Values.shutdown }}
+  # Kubernetes' kill comes after the preStop wait, the drain and Ray's own stop (values.yaml `shutdown`).
+  terminationGracePeriodSeconds: {{ add $shutdown.preStopSeconds $shutdown.gracePeriodSeconds $shutdown.teardownSeconds }}
   {{- if $group.hostNetwork }}
   hostNetwork: true
   dnsPolicy: ClusterFirstWithHostNet
@@ -54,14 +57,17 @@ spec:
         - {name: metrics, containerPort: 8080}
         - {name: serve, containerPort: {{ $cfg.server.http_port }}}
         - {name: grpc, containerPort: {{ $cfg.server.grpc_port }}}
-      {{- $env := $root.Values.extraEnv }}
+      {{- $env := prepend $root.Values.extraEnv (dict "name" "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" "value" (toString $root.Values.shutdown.gracePeriodSeconds)) }}
       {{- if include "baton.redis.hasPassword" $root }}
       {{- $secret := dict "name" (include "baton.redis.secretName" $root) "key" (include "baton.redis.secretKey" $root) }}
       {{- $env = prepend $env (dict "name" (include "baton.redis.passwordEnv" $root) "valueFrom" (dict "secretKeyRef" $secret)) }}
       {{- end }}
-      {{- with $env }}
       env:
-        {{- toYaml . | nindent 8 }}
+        {{- toYaml $env | nindent 8 }}
+      {{- if gt (int $root.Values.shutdown.preStopSeconds) 0 }}
+      lifecycle:
+        preStop:
+          sleep: {seconds: {{ $root.Values.shutdown.preStopSeconds }}}  # Kubernetes 1.31 refuses 0
       {{- end }}
       {{- $limits := dig "limits" dict (default dict $group.resources) | deepCopy }}
       {{- $requests := dig "requests" dict (default dict $group.resources) | deepCopy }}

@@ -27,6 +27,8 @@ def test_rendered_args_build_the_application(rendered, name: str):
     config = BatonConfig.model_validate(spec["args"]["config"])
     deployments = _build(spec)
     assert sorted(deployments) == sorted(["gateway", *config.roles])
+    for deployment in deployments.values():  # a stopping replica's drain budget: the chart's grace period
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == spec["args"]["grace_period_s"]
     for override in spec.get("deployments", []):
         override = dict(override)
         # Serve applies these over the code's options; it checks that the replica fits bundle 0.
