@@ -90,7 +90,8 @@ class KVConnector(ABC):
         return status
 
     def has_pending(self) -> bool:
-        """Whether receives are in flight (the engine keeps polling while they are)."""
+        """Whether receives are in flight. The engine learns of their ends from `poll` (the
+        scheduler knows what it is receiving); callers that need quiet, such as tests, wait on this."""
         with self._lock:
             return bool(self._pending)
 

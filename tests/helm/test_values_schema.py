@@ -47,6 +47,8 @@ def test_lint_strict_fails_on_bad_values(chart: HelmChart):
 
 
 # BatonConfig fields the chart sets itself, so values.schema.json leaves them out.
+# Renamed keys the config still reads (with a warning), so old values files still install.
+DEPRECATED_KEYS = {"engine.parallel.worker_timeout_s": "engine.parallel.rank_timeout_s"}
 CHART_OWNED = {
     "server.http_host": "0.0.0.0, for Serve's proxies in a pod",
     "router.redis.url": "from the chart's `redis` section",
@@ -100,7 +102,8 @@ def _compare(values: _Schema, vnode: dict, model: _Schema, mnode: dict, path: st
         if f"{path}{name}" not in CHART_OWNED:
             problems.append(f"missing in values.schema.json: config.{path}{name}")
     for name in sorted(vfields.keys() - mfields.keys()):
-        problems.append(f"not a BatonConfig field: config.{path}{name}")
+        if f"{path}{name}" not in DEPRECATED_KEYS:
+            problems.append(f"not a BatonConfig field: config.{path}{name}")
     for name in sorted(vfields.keys() & mfields.keys()):
         vchild, mchild = vfields[name], mfields[name]
         if "properties" in model.object_branch(mchild):
