@@ -25,6 +25,7 @@ from ..engine.errors import InvalidRequestError
 from ..serving_errors import NotFoundError
 from ..worker_calls import GenerateCall, WorkerModelInfo
 from .engine_client import EngineClient, PlacementTrace
+from .structured_output import user_facing
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     add_special_tokens: bool = True
     api: str = "grpc"  # which API it came through (a metrics label)
+    constraint_field: str | None = None  # the API field params.structured_output came from
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class PreparedGeneration:
     call: GenerateCall  # what the workers receive
     arrival: float  # time.monotonic() when the gateway got the request
     api: str = "grpc"
+    constraint_field: str | None = None  # names the constraint in the engine's compile errors
 
 
 @dataclass(slots=True)
@@ -85,12 +88,16 @@ class GenerationService:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids; `tools` (OpenAI's function tools) reach the templates that
+        describe tools to the model, and the others ignore them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "the model has no chat template; use /v1/completions")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except Exception as e:  # the template raised on these messages
             raise InvalidRequestError("messages", f"the chat template rejected the messages: {e}") from e
@@ -115,7 +122,7 @@ class GenerationService:
         prompt_ids = await self._prompt_ids(request)
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         call = GenerateCall(request_id, prompt_ids, params, request.cache_salt)
-        return PreparedGeneration(call, time.monotonic(), request.api)
+        return PreparedGeneration(call, time.monotonic(), request.api, request.constraint_field)
 
     async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[GenerationEvent]:
         call, arrival = prepared.call, prepared.arrival
@@ -149,6 +156,11 @@ class GenerationService:
                     yield event
                 if output.finished:
                     return
+        except Exception as error:
+            renamed = user_facing(error, prepared.constraint_field)
+            if renamed is error:
+                raise
+            raise renamed from error
         finally:
             self._inflight.pop(request_id, None)
             await stream.aclose()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from baton.v1 import inference_pb2 as pb
 
-from ..engine.api.sampling_params import SamplingParams
+from ..engine.api.sampling_params import SamplingParams, StructuredOutputKind
 from ..engine.errors import InvalidRequestError
 from ..worker_calls import WorkerModelInfo
 from .generation import GenerationEvent, GenerationRequest
+from .structured_output import Constraint, constraint_of_kind, json_schema_constraint
 
 # Proto field -> SamplingParams field, for the optional scalars (unset means the default).
 _OPTIONAL_FIELDS = (
@@ -34,15 +35,35 @@ def generation_request(request: pb.GenerateRequest) -> GenerationRequest:
     if which is None:
         raise InvalidRequestError("prompt", "set either text or token_ids")
     prompt = request.text if which == "text" else list(request.token_ids.ids)
+    constraint = structured_output(request.sampling)
     return GenerationRequest(
         prompt=prompt,
-        params=sampling_params(request.sampling),
+        params=sampling_params(request.sampling, constraint),
         request_id=request.request_id,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+        constraint_field=constraint.field if constraint else None,
     )
 
 
-def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+def structured_output(message: pb.SamplingParameters) -> Constraint | None:
+    """The `structured_output` oneof; errors name its proto field (json_schema, regex, ...)."""
+    which = message.WhichOneof("structured_output")
+    any_whitespace = message.any_whitespace if message.HasField("any_whitespace") else False
+    if which is None:
+        return None
+    if which == "json_schema":
+        return json_schema_constraint(which, message.json_schema, any_whitespace)
+    if which == "json_object":
+        if not message.json_object:
+            raise InvalidRequestError(which, "must be true when set; leave structured_output unset for free text")
+        return constraint_of_kind(which, StructuredOutputKind.JSON_OBJECT, any_whitespace=any_whitespace)
+    if which == "choice":
+        return constraint_of_kind(which, StructuredOutputKind.CHOICE, choices=tuple(message.choice.choices))
+    kind = StructuredOutputKind.REGEX if which == "regex" else StructuredOutputKind.GRAMMAR
+    return constraint_of_kind(which, kind, spec=getattr(message, which))
+
+
+def sampling_params(message: pb.SamplingParameters, constraint: Constraint | None = None) -> SamplingParams:
     kwargs = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
     if "seed" in kwargs and kwargs["seed"] >= 2**63:
         raise InvalidRequestError("seed", f"must be < 2**63, got {kwargs['seed']}")
@@ -50,7 +71,12 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in kwargs:
             kwargs[name] = round(kwargs[name], 6)
-    return SamplingParams(stop=list(message.stop), stop_token_ids=list(message.stop_token_ids), **kwargs)
+    return SamplingParams(
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        structured_output=constraint.params if constraint else None,
+        **kwargs,
+    )
 
 
 def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.GenerateResponse:

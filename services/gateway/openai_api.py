@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API mapped onto the generation service: /v1/completions and
 /v1/chat/completions (whole or as server-sent events), /v1/models, /health, and the
-FastAPI app that routes them. The request shapes and body helpers are in `openai_protocol`.
+FastAPI app that routes them. The request shapes and body helpers are in `openai_protocol`;
+a forced tool call's output is read back into `tool_calls` by `tool_calls`' parsers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .openai_protocol import (
     openai_finish_reason,
     usage_body,
 )
+from .tool_calls import ForcedToolCall, ToolCallParser
 
 
 @dataclass(slots=True)
@@ -56,11 +58,21 @@ class OpenAIApi:
     async def completions(self, body: CompletionRequest):
         try:
             await self.service.check_model(body.model)
+            body.check_supported()
             prompts = body.prompts()
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            constraint = body.constraint()
+            params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
             requests = [
                 await self.service.prepare(
-                    GenerationRequest(p, params, _sub_id(body.request_id, i, len(prompts)), body.cache_salt, api="http")
+                    GenerationRequest(
+                        p,
+                        params,
+                        _sub_id(body.request_id, i, len(prompts)),
+                        body.cache_salt,
+                        body.add_special_tokens,
+                        api="http",
+                        constraint_field=constraint.field if constraint else None,
+                    )
                 )
                 for i, p in enumerate(prompts)
             ]
@@ -74,24 +86,40 @@ class OpenAIApi:
     async def chat_completions(self, body: ChatCompletionRequest):
         try:
             await self.service.check_model(body.model)
-            prompt_ids = self.service.apply_chat_template(body.message_dicts())
+            body.check_supported()
+            forced_call = body.forced_tool_call()
+            constraint = body.constraint(forced_call)
+            prompt_ids = self.service.apply_chat_template(body.message_dicts(), body.tool_dicts(forced_call))
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
-            requests = [
-                await self.service.prepare(
-                    GenerationRequest(prompt_ids, params, body.request_id or "", body.cache_salt, api="http")
-                )
-            ]
+            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs, constraint)
+            request = GenerationRequest(
+                prompt_ids,
+                params,
+                body.request_id or "",
+                body.cache_salt,
+                api="http",
+                constraint_field=constraint.field if constraint else None,
+            )
+            requests = [await self.service.prepare(request)]
         except Exception as error:
             return self._error_response(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(self._stream_chat(requests[0], response_id, body), self._error_response)
-        return await self._complete(requests, params.n, response_id, body, chat=True)
+            chunks = self._stream_chat(requests[0], response_id, body, forced_call)
+            return await _sse(chunks, self._error_response)
+        return await self._complete(requests, params.n, response_id, body, chat=True, forced_call=forced_call)
 
     # -- internals --------------------------------------------------------------------
 
-    async def _complete(self, requests: list[PreparedGeneration], n: int, response_id: str, body, chat: bool):
+    async def _complete(
+        self,
+        requests: list[PreparedGeneration],
+        n: int,
+        response_id: str,
+        body,
+        chat: bool,
+        forced_call: ForcedToolCall | None = None,
+    ):
         accumulator = CompletionAccumulator(len(requests) * n)
         total = None
         try:
@@ -106,12 +134,12 @@ class OpenAIApi:
         choices = []
         for index in range(len(requests) * n):
             completion = accumulator.completion(index, requests[index // n].call.params.logprobs is not None)
-            finish = openai_finish_reason(completion.finish_reason)
+            finish = openai_finish_reason(completion.finish_reason, forced_call is not None)
             if chat:
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": completion.text},
+                        "message": _chat_message(completion.text, forced_call),
                         "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
                         "finish_reason": finish,
                     }
@@ -167,24 +195,38 @@ class OpenAIApi:
                 "usage": usage_body(total),
             }
 
-    async def _stream_chat(self, request: PreparedGeneration, response_id: str, body) -> AsyncIterator[dict]:
+    async def _stream_chat(
+        self, request: PreparedGeneration, response_id: str, body, forced_call: ForcedToolCall | None
+    ) -> AsyncIterator[dict]:
         info = await self.service.model_info()
         base = {"id": response_id, "object": "chat.completion.chunk", "created": now(), "model": info.model}
         started: set[int] = set()
+        parsers: dict[int, ToolCallParser] = {}  # per choice, for forced tool calls
         usage = None
         async for event in self.service.stream(request):
-            index = event.completion.index
-            delta: dict[str, Any] = {"content": event.completion.text}
-            if index not in started:
-                started.add(index)
-                delta["role"] = "assistant"
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": chat_logprobs(event.completion, body.top_logprobs or 0),
-                "finish_reason": openai_finish_reason(event.completion.finish_reason),
-            }
-            yield {**base, "choices": [choice]}
+            completion = event.completion
+            index = completion.index
+            if forced_call is None:
+                deltas = [{"content": completion.text}]
+            else:  # one chunk per tool-call delta: the call's id and name, then argument text
+                parser = parsers.setdefault(index, forced_call.parser())
+                deltas = [{"tool_calls": [entry]} for entry in parser.feed(completion.text)]
+            finish = openai_finish_reason(completion.finish_reason, forced_call is not None)
+            logprobs = chat_logprobs(completion, body.top_logprobs or 0)
+            if not deltas and (finish is not None or logprobs is not None):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                if index not in started:
+                    started.add(index)
+                    delta = {"role": "assistant", **({"content": None} if forced_call else {}), **delta}
+                is_last = i == len(deltas) - 1
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs if is_last else None,
+                    "finish_reason": finish if is_last else None,
+                }
+                yield {**base, "choices": [choice]}
             if event.finished:
                 usage = event.usage
         if _include_usage(body):
@@ -223,6 +265,14 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
         return await api.chat_completions(body)
 
     return http
+
+
+def _chat_message(text: str, forced_call: ForcedToolCall | None) -> dict[str, Any]:
+    if forced_call is None:
+        return {"role": "assistant", "content": text}
+    parser = forced_call.parser()
+    parser.feed(text)
+    return {"role": "assistant", "content": None, "tool_calls": parser.tool_calls()}
 
 
 def _sub_id(request_id: str | None, index: int, count: int) -> str:

@@ -2,8 +2,10 @@
 that build response bodies; `openai_api` maps them onto the generation service.
 
 Requests accept OpenAI's fields plus vLLM's common extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown fields are
-ignored, as OpenAI's own API does with fields it does not know.
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, ...), the
+output constraints of `openai_constraints` and chat's forced tool calls (`tool_calls`).
+Fields Baton does not implement that would change the output are refused
+(`openai_refused`); other unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ from ..engine.api.outputs import CompletionOutput
 from ..engine.api.sampling_params import SamplingParams
 from ..engine.errors import InvalidRequestError
 from .generation import GenerationEvent, Usage
+from .openai_constraints import ConstraintFields
+from .openai_refused import CHAT_REFUSALS, COMPLETION_REFUSALS, refuse_unsupported
+from .structured_output import Constraint
+from .tool_calls import ChatTool, ForcedToolCall, forced_tool_call
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = True
+    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: refused
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(ConstraintFields):
+    # Extra fields are kept, so that those refused by name (openai_refused) can be seen.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -45,12 +53,15 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
     request_id: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
+    ) -> SamplingParams:
         fields = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -65,18 +76,36 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "structured_output": constraint.params if constraint else None,
         }
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(stop=stop, **{k: v for k, v in fields.items() if v is not None})
+
+    def _refuse_unsupported(self, refusals) -> None:
+        refuse_unsupported(self.model_extra or {}, refusals)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequestError(
+                "stream_options.continuous_usage_stats", "is not supported: usage comes in the last chunk"
+            )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    best_of: int | None = None  # only n: every sample is returned
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt
+
+    def check_supported(self) -> None:
+        """400 for every field that asks for what Baton does not do (openai_refused)."""
+        self._refuse_unsupported(COMPLETION_REFUSALS)
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of", f"must equal n ({self.n}): Baton returns every sample it generates, got {self.best_of}"
+            )
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -101,6 +130,24 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        """400 for every field that asks for what Baton does not do (openai_refused)."""
+        self._refuse_unsupported(CHAT_REFUSALS)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+
+    def forced_tool_call(self) -> ForcedToolCall | None:
+        return forced_tool_call(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def tool_dicts(self, forced_call: ForcedToolCall | None) -> list[dict[str, Any]] | None:
+        """The tools the chat template may describe to the model: those that can be called."""
+        if forced_call is None:
+            return None
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in forced_call.functions]
 
     def message_dicts(self) -> list[dict[str, Any]]:
         out = []
@@ -110,8 +157,14 @@ class ChatCompletionRequest(_SamplingFields):
                 if any(part.get("type") != "text" for part in content):
                     raise InvalidRequestError("messages", "only text content parts are supported")
                 content = "".join(part.get("text", "") for part in content)
-            out.append({"role": message.role, "content": content or ""})
+            entry = {"role": message.role, "content": content or ""}
+            # Earlier tool calls and their results, for templates that render them.
+            entry.update({k: v for k, v in (message.model_extra or {}).items() if k in _TOOL_MESSAGE_FIELDS})
+            out.append(entry)
         return out
+
+
+_TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 def error_body(message: str, error_type: str, param: str | None, code: int) -> dict[str, Any]:
@@ -195,9 +248,14 @@ class CompletionAccumulator:
         )
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    """OpenAI knows stop and length; an aborted request reports as stop."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+def openai_finish_reason(reason: str | None, is_tool_call: bool = False) -> str | None:
+    """OpenAI knows stop, length and tool_calls (a forced call whose grammar completed); an
+    aborted request reports as stop."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    return "tool_calls" if is_tool_call and reason == "stop" else "stop"
 
 
 def now() -> int:
