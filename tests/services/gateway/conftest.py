@@ -1,4 +1,5 @@
-"""A running Baton (real local Ray cluster, real Redis, tiny model), once per test module."""
+"""Fixtures: a running Baton (real local Ray cluster, real Redis, tiny model), once per test
+module, for the end-to-end tests; and a gateway over a fake engine client, without Ray."""
 
 from __future__ import annotations
 
@@ -6,12 +7,91 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from baton.services.engine.api.outputs import CompletionOutput, RequestOutput
+from baton.services.gateway.engine_client import EngineClient
+from baton.services.gateway.gateway import Gateway
 from baton.services.launcher.launcher import LocalDeployment, resolve_config
+from baton.services.worker_calls import WorkerModelInfo
 from testlib.models import tiny_model
 
-pytestmark = pytest.mark.ray
-
 MAX_WAITING = 40
+FAKE_MODEL_INFO = WorkerModelInfo("tiny", 64, 16, 1, 1024, "colocated", "w@0")
+
+
+class FakeEngineClient(EngineClient):
+    """Streams scripted deltas, (sample index, text, finish_reason) each, and records the
+    calls it gets; or raises `error` at once."""
+
+    def __init__(
+        self,
+        error: Exception | None = None,
+        healthy: bool = True,
+        deltas: list[tuple[int, str, str | None]] | None = None,
+    ) -> None:
+        self.error = error
+        self.healthy = healthy
+        self.deltas = deltas or [(0, "ok", "length")]
+        self.calls = []
+
+    async def stream(self, call, trace):
+        self.calls.append(call)
+        if self.error is not None:
+            raise self.error
+        for i, (index, text, finish_reason) in enumerate(self.deltas):
+            completion = CompletionOutput(index, text, [5], None, None, finish_reason)
+            is_last = i == len(self.deltas) - 1
+            yield RequestOutput(call.request_id, None, call.prompt_token_ids, [completion], is_last, 0)
+
+    async def model_info(self):
+        return FAKE_MODEL_INFO
+
+    async def is_healthy(self):
+        return self.healthy
+
+    @property
+    def roles(self):
+        return ["colocated"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    return str(tiny_model("llama"))
+
+
+@pytest.fixture
+def fake_gateway(tokenizer_dir):
+    """fake_gateway(**FakeEngineClient kwargs) -> (Gateway, its FakeEngineClient)."""
+
+    def make(**kwargs):
+        engine_client = FakeEngineClient(**kwargs)
+        return Gateway(engine_client, tokenizer_dir), engine_client
+
+    return make
+
+
+class FakeGrpcContext:
+    def __init__(self):
+        self.code, self.details = None, None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+async def grpc_generate_failing(gateway, request) -> FakeGrpcContext:
+    """Runs Generate expecting it to fail; the context holds the status it set."""
+    context = FakeGrpcContext()
+    with pytest.raises(Exception):  # noqa: B017 - the status is what matters; Serve wraps the exception
+        async for _ in gateway.Generate(request, context):
+            pass
+    return context
+
+
+@pytest.fixture
+def grpc_failure():
+    return grpc_generate_failing
 
 
 @pytest.fixture(scope="module")
