@@ -4,12 +4,15 @@ every failure of the handover still gives the right tokens and leaves no block b
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
@@ -114,7 +117,9 @@ def prefill_handle():
 def test_disaggregated_equals_offline(client, offline, prompt):
     responses = collect(client, greedy_request(prompt, MAX_TOKENS))
     assert tokens(responses) == offline[prompt]
-    assert responses[-1].timings.kv_path == "transferred"
+    timings = responses[-1].timings
+    assert timings.kv_path == "transferred"
+    assert timings.prefill_worker.startswith("prefill-") and timings.decode_worker.startswith("decode-")
     assert responses[-1].usage.completion_tokens == MAX_TOKENS
     settle()
 
@@ -204,3 +209,27 @@ def test_n_samples_run_on_the_decode_side(client):
     request = pb.GenerateRequest(text=SHORT, sampling=pb.SamplingParameters(max_tokens=4, temperature=1.0, n=2, seed=1))
     responses = collect(client, request)
     assert responses[-1].usage.completion_tokens == 8 and responses[-1].timings.kv_path == "local"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_survives_the_handover(client):
+    """The prefill side samples the first token under the schema; the decode side resumes the
+    matcher from it. n > 1 runs whole on a decode worker, each sample under its own matcher."""
+    for seed in range(4):
+        sampling = pb.SamplingParameters(max_tokens=60, temperature=1.0, seed=seed, json_schema=json.dumps(SCHEMA))
+        responses = collect(client, pb.GenerateRequest(text=SHORT, sampling=sampling))
+        assert responses[-1].timings.kv_path == "transferred" and responses[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(r.text for r in responses)), SCHEMA)
+    sampling = pb.SamplingParameters(max_tokens=30, n=3, temperature=1.0, seed=9, regex=r"[a-z]{3}-[0-9]{2}")
+    responses = collect(client, pb.GenerateRequest(text=SHORT, sampling=sampling))
+    texts = ["".join(r.text for r in responses if r.index == i) for i in range(3)]
+    assert all(re.fullmatch(r"[a-z]{3}-[0-9]{2}", text) for text in texts), texts
+    assert responses[-1].timings.kv_path == "local"
+    settle()
