@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-serving clean
+.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-structured-output bench-serving clean
 
 setup: $(STAMP) protos
 
@@ -57,6 +57,9 @@ bench-kv-transfer: setup
 bench-router: setup
 	$(BIN)/python bench/router_latency.py
 	$(BIN)/python bench/router_placement.py
+
+bench-structured-output: setup
+	$(BIN)/python bench/structured_output.py
 
 # Whole-service comparisons (local Ray + Redis per configuration; several minutes each).
 bench-serving: setup
