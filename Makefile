@@ -10,13 +10,12 @@ PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
 setup: $(STAMP) protos
 
-# torch is pinned to the CPU build first: a bare `torch` requirement would pull CUDA wheels.
-# The editable install also builds the C extension in place (setup.py), hence its source here.
-$(STAMP): pyproject.toml setup.py services/engine/core/_block_hash.c
+# scripts/install.sh (also .ci/run's and the Dockerfile's): torch pinned first (a bare `torch`
+# requirement would pull CUDA wheels), then the editable install, which also builds the C
+# extension in place (setup.py), hence its source here.
+$(STAMP): pyproject.toml setup.py services/engine/core/_block_hash.c scripts/install.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	bash scripts/install.sh python $(BIN)/pip -e '.[dev]'
 	touch $@
 
 protos: $(STAMP)
@@ -91,3 +90,14 @@ clean:
 .PHONY: helm-check
 helm-check: setup
 	$(BIN)/pytest tests/helm -v
+
+# The container image (Dockerfile), tagged as the chart's default image (baton:<appVersion>):
+# CPU torch; VARIANT=cuda for CUDA torch (tag suffix -cuda; PyPI's Linux torch wheels are CUDA
+# builds, CUDA_TORCH_INDEX=<a PyTorch CUDA wheel index> picks another), EXTRAS=nixl for NIXL.
+IMAGE ?= baton:$(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' helm/baton/Chart.yaml)$(if $(filter cuda,$(VARIANT)),-cuda)
+CUDA_TORCH_INDEX ?=
+.PHONY: image
+image:
+	@command -v docker >/dev/null 2>&1 || { echo "make image: no docker here; build the Dockerfile where Docker runs"; exit 1; }
+	docker build $(if $(filter cuda,$(VARIANT)),--build-arg TORCH_INDEX_URL="$(CUDA_TORCH_INDEX)") \
+		$(if $(EXTRAS),--build-arg EXTRAS=$(EXTRAS)) -t $(IMAGE) .

@@ -1,10 +1,12 @@
-"""A small gRPC client for Baton (what `baton generate` uses)."""
+"""A small gRPC client for Baton: `baton generate` streams through it; `baton status` asks the
+server for its model and health (gRPC) and reads its replicas and KV usage from Ray's metrics."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import grpc
 from baton.v1 import inference_pb2 as pb
@@ -29,10 +31,10 @@ class BatonClient:
 
 def generate_to_terminal(args: argparse.Namespace) -> int:
     sampling = pb.SamplingParameters(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-    for field in ("temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, field)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
         if value is not None:
-            setattr(sampling, field, value)
+            setattr(sampling, name, value)
     client = BatonClient(args.address, args.application)
     try:
         for response in client.generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
@@ -52,3 +54,129 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
     finally:
         client.close()
     return 0
+
+
+# -- baton status ------------------------------------------------------------------------------
+
+# Ray exports every process's metrics with a `ray_` prefix (services/metrics.py).
+_REPLICA_HEALTHY = "ray_serve_deployment_replica_healthy"
+_TARGET_REPLICAS = "ray_serve_autoscaling_target_replicas"
+_WORKER_GAUGES = {
+    "ray_baton_kv_cache_usage_ratio": "kv_usage",
+    "ray_baton_num_free_kv_blocks": "free_blocks",
+    "ray_baton_num_requests_running": "running",
+    "ray_baton_num_requests_waiting": "waiting",
+}
+_ROUTER_DECISIONS = "ray_baton_router_decisions"
+
+
+@dataclass(slots=True)
+class Replicas:
+    """One Serve deployment's replicas, as Serve's controller reports them."""
+
+    healthy: int = 0
+    total: int = 0
+    target: int | None = None  # what Serve scales to (None: not reported)
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """One engine worker's KV cache and queue, as it last reported them."""
+
+    role: str
+    worker_id: str  # Ray's worker id, shortened
+    kv_usage: float = 0.0
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    replicas: dict[str, Replicas] = field(default_factory=dict)  # by deployment name
+    workers: list[WorkerLoad] = field(default_factory=list)
+    num_router_decisions: int = 0  # placements made by Baton's prefix-aware router
+
+
+def read_metrics(text: str, application: str) -> ServerMetrics:
+    """The deployment's replicas and workers from the Prometheus text of Ray's exporter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = ServerMetrics()
+    workers: dict[str, WorkerLoad] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if family.name in (_REPLICA_HEALTHY, _TARGET_REPLICAS) and labels.get("application") != application:
+                continue
+            if family.name == _REPLICA_HEALTHY:
+                replicas = metrics.replicas.setdefault(labels["deployment"], Replicas())
+                replicas.total += 1
+                replicas.healthy += int(sample.value == 1)
+            elif family.name == _TARGET_REPLICAS:
+                metrics.replicas.setdefault(labels["deployment"], Replicas()).target = int(sample.value)
+            elif family.name in _WORKER_GAUGES and "role" in labels:
+                key = labels.get("WorkerId", "")
+                worker = workers.setdefault(key, WorkerLoad(role=labels["role"], worker_id=key[:8]))
+                name = _WORKER_GAUGES[family.name]
+                setattr(worker, name, sample.value if name == "kv_usage" else int(sample.value))
+            elif family.name == _ROUTER_DECISIONS and sample.name.endswith("_total"):
+                metrics.num_router_decisions += int(sample.value)
+    metrics.workers = sorted(workers.values(), key=lambda w: (w.role, w.worker_id))
+    return metrics
+
+
+def print_status(address: str, application: str, metrics_url: str, placement: str | None, timeout_s: float) -> int:
+    """`baton status`: 1 when no Baton answers at `address`."""
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    client = BatonClient(address, application)
+    try:
+        health = health_pb2_grpc.HealthStub(client.channel).Check(
+            health_pb2.HealthCheckRequest(), metadata=client.metadata, timeout=timeout_s
+        )
+        info = client.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=client.metadata, timeout=timeout_s)
+    except grpc.RpcError as e:
+        print(f"no Baton at {address} (application {application}): {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    print(f"Baton at {address} (application {application}): {state}")
+    print(
+        f"model     {info.model}: context {info.max_context_length} tokens, block size {info.block_size}, "
+        f"tensor parallel {info.tensor_parallel_size}"
+    )
+    print(f"mode      {info.mode} (roles {', '.join(info.roles)})")
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+            metrics = read_metrics(response.read().decode(), application)
+    except OSError as e:
+        print(f"router    {placement or 'not reported by the server (--config names it)'}")
+        print(f"replicas  unknown: no metrics at {metrics_url} ({e}; --metrics-address)")
+        return 0
+    _print_metrics(metrics, placement, metrics_url)
+    return 0
+
+
+def _print_metrics(metrics: ServerMetrics, placement: str | None, metrics_url: str) -> None:
+    if placement is None:
+        placement = "not reported by the server (--config names it)"
+        if metrics.num_router_decisions:
+            placement = f"prefix_aware ({metrics.num_router_decisions} placements so far)"
+    print(f"router    {placement}")
+    replicas = [
+        f"{name} {r.healthy}/{r.total if r.target is None else r.target} healthy"
+        for name, r in sorted(metrics.replicas.items())
+    ]
+    print(f"replicas  {', '.join(replicas) or 'none reported yet'}   ({metrics_url})")
+    if not metrics.workers:
+        print("KV cache  no worker has reported yet (every 2 s)")
+    for i, worker in enumerate(metrics.workers):
+        print(
+            f"{'KV cache' if i == 0 else '':<9} {worker.role:<9} worker {worker.worker_id}: "
+            f"{worker.kv_usage:.1%} used, {worker.free_blocks} blocks free, "
+            f"{worker.running} running, {worker.waiting} waiting"
+        )

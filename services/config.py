@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -36,6 +36,12 @@ class ServerConfig(BaseModel):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free one)")
     grpc_port: int = Field(
         9000, ge=0, le=65535, description="gRPC port (Ray Serve's gRPC proxy listens on all interfaces)"
+    )
+    metrics_port: int = Field(
+        8080,
+        ge=0,
+        le=65535,
+        description="Prometheus port of `baton serve`'s local Ray (0: pick a free one); the chart's Ray pods use 8080",
     )
     request_timeout_s: float | None = Field(None, gt=0, description="Server-side cap on one request's duration")
 
@@ -201,20 +207,82 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
     Errors name the file and the offending field.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ValueError(f"cannot read config {path}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ValueError(f"config {path} must be a mapping at the top level")
+    raw = read_config_file(path) if path is not None else {}
     merged = _deep_merge(raw, overrides or {})
     try:
         return BatonConfig.model_validate(merged)
     except ValidationError as e:
         raise ValueError(f"invalid config{f' {path}' if path else ''}:\n{e}") from e
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's YAML, unvalidated; errors name the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read config {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path} must be a mapping at the top level")
+    return raw
+
+
+def config_override(assignment: str) -> dict[str, Any]:
+    """`section.key=value` (what `baton serve --set` takes) as a nested override. The value is
+    read as YAML (`8000` is an int, `true` a bool, `null` None, `[a, b]` a list); the model
+    validates it at load. A key that names no config field fails here, naming it."""
+    key, has_value, text = assignment.partition("=")
+    path = key.strip().split(".")
+    if not has_value or not all(path):
+        raise ValueError(f"--set {assignment!r}: expected section.key=value, e.g. server.http_port=8001")
+    _check_key(path)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--set {key}: cannot read {text!r} as a YAML value: {e}") from e
+    for part in reversed(path):
+        value = {part: value}
+    return value
+
+
+def config_overrides(assignments: list[str]) -> dict[str, Any]:
+    """Several `--set` assignments merged, later ones winning."""
+    merged: dict[str, Any] = {}
+    for assignment in assignments:
+        merged = _deep_merge(merged, config_override(assignment))
+    return merged
+
+
+def _check_key(path: list[str]) -> None:
+    model: type[BaseModel] = BatonConfig
+    for depth, name in enumerate(path):
+        field = model.model_fields.get(name)
+        where = ".".join(path[:depth]) or "the config"
+        if field is None:
+            known = ", ".join(model.model_fields)
+            raise ValueError(f"unknown config key {'.'.join(path)!r}: {where} has no {name!r} (it has {known})")
+        section = _section_model(field.annotation)
+        if section is None:
+            if depth + 1 < len(path) and not _is_mapping(field.annotation):
+                raise ValueError(
+                    f"unknown config key {'.'.join(path)!r}: {'.'.join(path[: depth + 1])} is a value, not a section"
+                )
+            return  # a value, or a free-form mapping (engine_overrides, resources)
+        model = section
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds (also through `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return get_origin(annotation) is dict or any(get_origin(arg) is dict for arg in get_args(annotation))
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """`baton serve`: a local Ray cluster, a local Redis (unless the config names one), and the
 application, stopped in order on SIGTERM, SIGINT (Ctrl-C) or SIGHUP: stop accepting, let
 in-flight requests finish within the grace period, shut Serve and Ray down, stop the Redis,
-exit 0. A second signal skips the rest of the drain (stop_signals.py).
+exit 0. A second signal skips the rest of the drain (stop_signals.py). Before anything starts,
+the config is validated and its ports are checked (ports.py): a failure is a message naming the
+key, exit status 2 (config) or 1 (a busy port, in one line), with nothing started.
 
 `LocalDeployment` is the same start-up as a context manager; the tests use it too.
 """
@@ -12,14 +14,18 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BatonConfig, load_config
+from ..config import BatonConfig, load_config, read_config_file
 from ..ray_env import import_ray
+from . import console_logging
 from .local_redis import LocalRedis, free_port
+from .ports import PortInUse, check_ports_free, port_in_use_from
+from .serve_shutdown import shutdown_serve
 from .stop_signals import StopRequested, StopSignals, ray_keeps_our_sigterm_handler
 
 logger = logging.getLogger(__name__)
@@ -42,13 +48,18 @@ def baton_home() -> Path:
     return Path(os.environ.get("BATON_HOME", Path.cwd() / ".baton"))
 
 
+def default_config_path() -> Path:
+    """`BATON_CONFIG` (the image sets it), else the repository's configs/local.yaml."""
+    return Path(os.environ.get("BATON_CONFIG") or DEFAULT_CONFIG)
+
+
 def default_model() -> Path:
     """The embedded default: a tiny random Llama, built once and cached."""
     from ..model.tiny import make_tiny_model
 
     path = baton_home() / "models" / "tiny-llama"
     if not (path / "model.safetensors").exists():
-        logger.info("building the tiny default model in %s (once)", path)
+        print(f"building the tiny default model in {path} (once)", flush=True)
         make_tiny_model(path, arch="llama", preset="tiny")
     return path
 
@@ -56,17 +67,21 @@ def default_model() -> Path:
 def resolve_config(
     config_path: str | Path | None, model: str | None, overrides: dict[str, Any] | None = None
 ) -> BatonConfig:
-    import yaml
-
-    path = Path(config_path) if config_path else DEFAULT_CONFIG
-    raw = yaml.safe_load(path.read_text()) or {}
+    """The config file (default: `default_config_path()`), then `overrides`, then `model`; the
+    tiny default model when none of them names one."""
+    path = Path(config_path) if config_path else default_config_path()
+    raw = read_config_file(path)
     merged = dict(overrides or {})
-    configured_model = ((raw.get("engine") or {}).get("model") or {}).get("model")
+    configured_model = _model_of(merged) or _model_of(raw)
     if model or not configured_model:
         engine = dict(merged.get("engine", {}))
         engine["model"] = {**engine.get("model", {}), "model": str(model or default_model())}
         merged["engine"] = engine
     return load_config(path, merged)
+
+
+def _model_of(config: dict[str, Any]) -> str | None:
+    return ((config.get("engine") or {}).get("model") or {}).get("model")
 
 
 def local_num_cpus(config: BatonConfig) -> int:
@@ -94,13 +109,15 @@ class LocalDeployment:
     config: BatonConfig
     run_dir: Path
     num_cpus: int | None = None
-    metrics_export_port: int | None = None  # Ray's Prometheus endpoint (None: Ray's default)
+    metrics_export_port: int | None = None  # Ray's Prometheus endpoint (None: a free port)
     redis: LocalRedis | None = None
     grpc_address: str = ""
     http_address: str = ""
     metrics_address: str = ""  # Prometheus text format, Ray's exporter on this node
     grace_period_s: float | None = None  # each replica's drain budget when stopped (None: Serve's 20 s)
     signals: StopSignals | None = None  # `baton serve`'s handlers, installed again right after ray.init
+    log_level: str | None = None  # Serve's processes log at this level or INFO, the lower (None: Serve's default)
+    ray_logs_dir: Path | None = None  # Ray's and Serve's own logs (the session's logs/ folder), once started
     _started_ray: bool = field(default=False, repr=False)
     _deployed: bool = field(default=False, repr=False)
 
@@ -125,13 +142,15 @@ class LocalDeployment:
                 ray.init(
                     include_dashboard=False,
                     num_cpus=self.num_cpus or local_num_cpus(config),
-                    _temp_dir=str(self.run_dir / "ray"),
+                    _temp_dir=self.ray_temp_dir(),
                     log_to_driver=False,
+                    logging_level=logging.getLogger("ray").level or logging.INFO,
                     _metrics_export_port=self.metrics_export_port or free_port(),
                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
                 )
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
+        self.ray_logs_dir = _ray_logs_dir(ray)
         server = config.server
         http_port = server.http_port or free_port()
         grpc_port = server.grpc_port or free_port()
@@ -141,6 +160,7 @@ class LocalDeployment:
             grpc_options=gRPCOptions(
                 port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
             ),
+            logging_config=None if self.log_level is None else {"log_level": _serve_log_level(self.log_level)},
         )
         self._deployed = True  # from here a stop drains what may have started
         serve.run(build_app(config, self.grace_period_s), name=config.name, route_prefix="/")
@@ -149,6 +169,11 @@ class LocalDeployment:
         self.metrics_address = f"http://127.0.0.1:{node.get('MetricsExportPort', self.metrics_export_port)}/metrics"
         self.http_address = f"http://{server.http_host}:{http_port}"
         return self
+
+    def ray_temp_dir(self) -> str | None:
+        """Ray's temp folder: `$RAY_TMPDIR/ray` when RAY_TMPDIR is set (Ray's own rule), else the
+        run folder's ray/. Ray's socket paths live in it, limited to 107 bytes."""
+        return None if os.environ.get("RAY_TMPDIR") else str(self.run_dir / "ray")
 
     def drain(self, timeout_s: float) -> bool:
         """Stops accepting and lets in-flight requests finish: deleting the application makes the
@@ -178,11 +203,9 @@ class LocalDeployment:
         """The drain (if `drain_s`) and Serve's shutdown: the part a second signal may cut short."""
         if not import_ray().is_initialized():
             return  # Serve's calls would start a Ray of their own
-        from ray import serve
-
         if drain_s is not None and not self.drain(drain_s):
             logger.warning("in-flight requests did not finish within %g s: they are cut", drain_s)
-        serve.shutdown()
+        shutdown_serve()
 
     def stop_processes(self) -> None:
         """Ray (every process it started: replicas, proxies, raylet, GCS) and the local Redis."""
@@ -198,49 +221,104 @@ class LocalDeployment:
         self.stop()
 
 
+def _ray_logs_dir(ray) -> Path | None:
+    node = ray._private.worker._global_node  # Ray 2.60: the local node this driver started or joined
+    return Path(node.get_logs_dir_path()) if node is not None else None
+
+
+def _serve_log_level(level: str) -> str:
+    return "DEBUG" if level.lower() == "debug" else "INFO"
+
+
 def _redis_config(url: str):
     from ..router.config import RedisConfig
 
     return RedisConfig(url=url)
 
 
-def serve_forever(config_path: str | None, model: str | None, grace_period_s: float | None = None) -> int:
+def serve_forever(
+    config_path: str | None,
+    model: str | None,
+    grace_period_s: float | None = None,
+    overrides: dict[str, Any] | None = None,
+    log_level: str = console_logging.DEFAULT_LEVEL,
+) -> int:
+    """`baton serve`: 0 after a stop by signal; 2 for a bad config and 1 for a busy port, each
+    one line on stderr with nothing started."""
     grace_period_s = DEFAULT_GRACE_PERIOD_S if grace_period_s is None else grace_period_s
     signals = StopSignals()
     signals.install()  # until ray.init replaces them; LocalDeployment.start installs them again
-    config = resolve_config(config_path, model)
+    try:
+        config = resolve_config(config_path, model, overrides)
+        metrics_port = config.server.metrics_port or None
+        check_ports_free(config.server, metrics_port)
+    except PortInUse as e:
+        return _fail(f"baton serve: {e}", 1)
+    except ValueError as e:
+        return _fail(f"baton serve: error: {e}", 2)
     run_dir = baton_home() / "r" / str(os.getpid())
-    deployment = LocalDeployment(config, run_dir, grace_period_s=grace_period_s, signals=signals)
+    log_file = console_logging.configure(log_level, run_dir)
+    deployment = LocalDeployment(
+        config,
+        run_dir,
+        metrics_export_port=metrics_port,
+        grace_period_s=grace_period_s,
+        signals=signals,
+        log_level=log_level,
+    )
     print(f"starting Baton ({config.mode}, model {config.served_model_name}) ...", flush=True)
+    failure: PortInUse | None = None
     try:
         deployment.start()
         signals.serving()
-        print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
-        print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
-        if deployment.redis is not None:
-            print(f"Redis {deployment.redis.url}   (local)")
-        print(f"Metrics {deployment.metrics_address}   (Prometheus)")
-        print(
-            f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
-            flush=True,
-        )
+        _print_addresses(deployment, log_file, grace_period_s)
         while not signals.wait(0.5):
             pass
     except StopRequested:
         pass
+    except RuntimeError as e:
+        failure = port_in_use_from(e, config.server, metrics_port)  # taken since the check
+        if failure is None:
+            raise
     finally:
-        try:
-            signals.draining()
-            if not signals.is_forced:
-                drain_s = grace_period_s if signals.is_requested else None
-                print(f"{signals.signal_name or 'exiting'}: stopping{' (draining)' if drain_s else ''} ...", flush=True)
-                deployment.stop_serving(drain_s)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            signals.stopping()
-            if signals.is_forced:
-                print("second signal: stopping at once (in-flight requests are cut)", flush=True)
-            deployment.stop_processes()
+        _stop(deployment, signals, grace_period_s)
+    if failure is not None:
+        return _fail(f"baton serve: {failure}", 1)
     print("stopped", flush=True)
     return 0
+
+
+def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s: float) -> None:
+    config = deployment.config
+    print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
+    print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
+    if deployment.redis is not None:
+        print(f"Redis {deployment.redis.url}   (local)")
+    print(f"Metrics {deployment.metrics_address}   (Prometheus)")
+    print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
+    print(
+        f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
+        flush=True,
+    )
+
+
+def _stop(deployment: LocalDeployment, signals: StopSignals, grace_period_s: float) -> None:
+    try:
+        signals.draining()
+        if not signals.is_forced:
+            drain_s = grace_period_s if signals.is_requested else None
+            if signals.is_requested:
+                print(f"{signals.signal_name}: stopping{' (draining)' if drain_s else ''} ...", flush=True)
+            deployment.stop_serving(drain_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signals.stopping()
+        if signals.is_forced:
+            print("second signal: stopping at once (in-flight requests are cut)", flush=True)
+        deployment.stop_processes()
+
+
+def _fail(message: str, code: int) -> int:
+    print(message, file=sys.stderr, flush=True)
+    return code

@@ -51,6 +51,7 @@ def test_lint_strict_fails_on_bad_values(chart: HelmChart):
 DEPRECATED_KEYS = {"engine.parallel.worker_timeout_s": "engine.parallel.rank_timeout_s"}
 CHART_OWNED = {
     "server.http_host": "0.0.0.0, for Serve's proxies in a pod",
+    "server.metrics_port": "baton serve's only: on the Ray pods it is KubeRay's metrics-export-port, 8080",
     "router.redis.url": "from the chart's `redis` section",
     "router.redis.password": "never in the config: a Secret reaches every pod as an env var",
     "router.redis.password_env": "that env var (BATON_REDIS_PASSWORD) when the chart wires a password",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -42,20 +43,29 @@ class BatonServe:
     """Starts `baton serve --config <colocated config on free ports>`; `output` keeps its lines.
     `workdir` must be short (e.g. under /tmp): Ray's socket paths in it are limited to 107 bytes."""
 
-    def __init__(self, workdir: Path, model: Path, grace_period_s: float) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model: Path,
+        grace_period_s: float,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`extra_args` go after the others (`baton serve` flags win over its config); `env` adds
+        to this process's environment."""
         config = yaml.safe_load((REPO / "configs" / "local-colocated.yaml").read_text())
-        config["server"].update(http_port=0, grpc_port=0)  # free ports: other runs may share the machine
-        config_path = workdir / "baton.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        command = [sys.executable, "-m", "baton.services.cli", "serve", "--config", str(config_path)]
-        command += ["--model", str(model), "--grace-period", str(grace_period_s)]
+        config["server"].update(http_port=0, grpc_port=0, metrics_port=0)  # free ports: runs share the machine
+        self.config_path = workdir / "baton.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "baton.services.cli", "serve", "--config", str(self.config_path)]
+        command += ["--model", str(model), "--grace-period", str(grace_period_s), *extra_args]
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            env={**os.environ, "BATON_HOME": str(workdir / "home")},
+            env={**os.environ, "BATON_HOME": str(workdir / "home"), **(env or {})},
         )
         self.output: list[str] = []
         self._lines: queue.Queue[str | None] = queue.Queue()
