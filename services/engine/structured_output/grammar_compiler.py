@@ -20,6 +20,7 @@ from typing import Any
 from ..api.sampling_params import StructuredOutputKind, StructuredOutputParams
 from ..config import StructuredOutputConfig
 from ..errors import InvalidRequestError
+from .json_schema_check import UnenforceableSchema, prepare_json_schema
 
 # Compact JSON: no free whitespace, so small models cannot pad the output until max_tokens.
 _COMPACT_SEPARATORS = (",", ":")
@@ -67,13 +68,17 @@ class GrammarCompiler:
         kind = params.kind
         try:
             if kind in (StructuredOutputKind.JSON, StructuredOutputKind.JSON_OBJECT):
-                schema = params.spec if kind is StructuredOutputKind.JSON else '{"type": "object"}'
+                schema = _enforceable_schema(params) if kind is StructuredOutputKind.JSON else '{"type": "object"}'
                 return compiler.compile_grammar(self._json_grammar(schema, params.any_whitespace))
             if kind is StructuredOutputKind.REGEX:
                 return compiler.compile_regex(params.spec)
             if kind is StructuredOutputKind.CHOICE:
                 return compiler.compile_grammar(choice_grammar(params.choices))
             return compiler.compile_grammar(params.spec)
+        except InvalidRequestError:
+            raise
+        except UnenforceableSchema as error:
+            raise InvalidRequestError(params.field_name, str(error)) from None
         except Exception as error:  # the compiler's own types; its message says what is wrong
             raise InvalidRequestError(params.field_name, f"cannot be compiled: {_reason(error)}") from None
 
@@ -104,6 +109,14 @@ class GrammarCompiler:
                 )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=self.config.num_compile_threads)
             return self._compiler
+
+
+def _enforceable_schema(params: StructuredOutputParams) -> str:
+    try:
+        schema = json.loads(params.spec)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(params.field_name, f"is not valid JSON: {error}") from None
+    return json.dumps(prepare_json_schema(schema))
 
 
 def choice_grammar(choices: Iterable[str]) -> str:
