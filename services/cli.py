@@ -112,15 +112,7 @@ def _status(args: argparse.Namespace) -> int:
     server = _client_server(args)
     if server is None:
         return 2
-    placement = None
-    if server.config_path:
-        from .config import RouterSection, read_config_file
-
-        configured = RouterSection.model_validate(read_config_file(server.config_path).get("router") or {}).placement
-        placement = f"{configured} (configured in {server.config_path}; the server does not report it)"
-    return print_status(
-        server.grpc, server.application, args.metrics_address or server.metrics, placement, args.timeout
-    )
+    return print_status(server.grpc, server.application, args.metrics_address or server.metrics, args.timeout)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -126,7 +126,7 @@ def read_metrics(text: str, application: str) -> ServerMetrics:
     return metrics
 
 
-def print_status(address: str, application: str, metrics_url: str, placement: str | None, timeout_s: float) -> int:
+def print_status(address: str, application: str, metrics_url: str, timeout_s: float) -> int:
     """`baton status`: 1 when no Baton answers at `address`."""
     import urllib.request
 
@@ -150,23 +150,20 @@ def print_status(address: str, application: str, metrics_url: str, placement: st
         f"tensor parallel {info.tensor_parallel_size}"
     )
     print(f"mode      {info.mode} (roles {', '.join(info.roles)})")
+    print(f"router    {info.router or 'not reported (a server older than this client)'}")
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
             metrics = read_metrics(response.read().decode(), application)
     except OSError as e:
-        print(f"router    {placement or 'not reported by the server (--config names it)'}")
         print(f"replicas  unknown: no metrics at {metrics_url} ({e}; --metrics-address)")
         return 0
-    _print_metrics(metrics, placement, metrics_url)
+    _print_metrics(metrics, metrics_url)
     return 0
 
 
-def _print_metrics(metrics: ServerMetrics, placement: str | None, metrics_url: str) -> None:
-    if placement is None:
-        placement = "not reported by the server (--config names it)"
-        if metrics.num_router_decisions:
-            placement = f"prefix_aware ({metrics.num_router_decisions} placements so far)"
-    print(f"router    {placement}")
+def _print_metrics(metrics: ServerMetrics, metrics_url: str) -> None:
+    if metrics.num_router_decisions:
+        print(f"          {metrics.num_router_decisions} prefix-aware placements so far")
     replicas = [
         f"{name} {r.healthy}/{r.total if r.target is None else r.target} healthy"
         for name, r in sorted(metrics.replicas.items())

@@ -29,9 +29,15 @@ logger = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(
-        self, engine_client: EngineClient, tokenizer_path: str, mode: str = "colocated", export_metrics: bool = False
+        self,
+        engine_client: EngineClient,
+        tokenizer_path: str,
+        mode: str = "colocated",
+        export_metrics: bool = False,
+        router: str = "power_of_two",
     ) -> None:
         self.mode = mode
+        self.router = router  # how the engine replicas are chosen (reported by GetModelInfo)
         self.engine_client = engine_client
         self.export_metrics = export_metrics
         on_finished = _record_request if export_metrics else None
@@ -57,7 +63,9 @@ class Gateway:
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
         try:
-            return grpc_api.model_info(await self.service.model_info(), self.engine_client.roles, self.mode)
+            return grpc_api.model_info(
+                await self.service.model_info(), self.engine_client.roles, self.mode, self.router
+            )
         except Exception as error:
             self._set_grpc_error(grpc_context, error)
             raise

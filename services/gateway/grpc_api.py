@@ -121,7 +121,7 @@ def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.Gener
     return response
 
 
-def model_info(info: WorkerModelInfo, roles: list[str], mode: str) -> pb.ModelInfo:
+def model_info(info: WorkerModelInfo, roles: list[str], mode: str, router: str) -> pb.ModelInfo:
     return pb.ModelInfo(
         model=info.model,
         max_context_length=info.max_model_len,
@@ -130,4 +130,5 @@ def model_info(info: WorkerModelInfo, roles: list[str], mode: str) -> pb.ModelIn
         roles=roles,
         vocab_size=info.vocab_size,
         mode=mode,
+        router=router,
     )

@@ -21,8 +21,8 @@ HEALTH_CHECK_PERIOD_S = 5.0
 class ServeGateway(Gateway):
     """The gateway as Serve builds it: from the handles of the engine deployments."""
 
-    def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str) -> None:
-        super().__init__(make_engine_client(mode, workers), tokenizer_path, mode, export_metrics=True)
+    def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str, router: str) -> None:
+        super().__init__(make_engine_client(mode, workers), tokenizer_path, mode, export_metrics=True, router=router)
 
 
 def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
@@ -44,7 +44,15 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options(), **stop_options
     )
     tokenizer = config.engine.model.tokenizer or config.engine.model.model
-    return gateway.bind(workers, tokenizer, config.mode)
+    return gateway.bind(workers, tokenizer, config.mode, replica_choice(config))
+
+
+def replica_choice(config: BatonConfig) -> str:
+    """How the engine replicas are picked: the prefix-aware router needs Redis, and without it
+    Serve's own power-of-two choice is what runs."""
+    if config.router.placement == "prefix_aware" and config.router.redis is None:
+        return "power_of_two"
+    return config.router.placement
 
 
 def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_options: dict[str, float]):
@@ -55,12 +63,13 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
 
     section = config.deployment(role)
     options = section.serve_options()
-    if router_config is not None and config.router.placement == "prefix_aware":
+    choice = replica_choice(config)
+    if choice == "prefix_aware":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=BatonRequestRouter,
             request_router_kwargs={"router_config": _json_config(router_config), "role": role},
         )
-    elif config.router.placement == "round_robin":
+    elif choice == "round_robin":
         options["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRequestRouter)
     deployment = serve.deployment(
         EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options, **stop_options

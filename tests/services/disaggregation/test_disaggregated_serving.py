@@ -203,6 +203,7 @@ def test_adding_a_decode_replica_does_not_disturb_running_requests(cluster, clie
 def test_model_info_reports_both_roles(client):
     info = client.model_info()
     assert list(info.roles) == ["prefill", "decode"] and info.mode == "disaggregated"
+    assert info.router == "prefix_aware"
 
 
 def test_n_samples_run_on_the_decode_side(client):

@@ -95,6 +95,7 @@ def test_tokenize_and_model_info(client):
         1,
     )
     assert list(info.roles) == ["colocated"] and info.mode == "colocated"
+    assert info.router == "prefix_aware"  # the local deployment starts a Redis for the router
 
 
 def test_health_check(baton_app):

@@ -65,3 +65,15 @@ def test_invalid_configs_name_the_field():
 def test_unknown_args_are_refused():
     with pytest.raises(pydantic.ValidationError, match="redis_password"):
         ServeArgs.model_validate({"config": {}, "redis_password": "x"})
+
+
+def test_replica_choice_is_what_runs():
+    from baton.services.config import load_config
+    from baton.services.serve_app.builder import replica_choice
+
+    redis = {"router": {"redis": {"url": "redis://127.0.0.1:1"}}}
+    assert replica_choice(load_config(None, {"engine": {"model": {"model": "/m"}}, **redis})) == "prefix_aware"
+    # Without Redis the prefix-aware router cannot run: Serve's own choice does.
+    assert replica_choice(load_config(None, {"engine": {"model": {"model": "/m"}}})) == "power_of_two"
+    config = load_config(None, {"engine": {"model": {"model": "/m"}}, "router": {"placement": "round_robin"}})
+    assert replica_choice(config) == "round_robin"
