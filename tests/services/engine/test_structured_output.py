@@ -130,7 +130,10 @@ def test_n_samples_each_follow_the_grammar_and_the_seed(llm):
         (regex("[a-z]+("), "parenthesis is not closed"),
         (StructuredOutputParams(StructuredOutputKind.JSON, '{"type": "foo"}'), 'Unsupported type "foo"'),
         (StructuredOutputParams(StructuredOutputKind.JSON, "not json"), "is not valid JSON: Expecting value"),
-        (StructuredOutputParams(StructuredOutputKind.JSON, '{"not": {"type": "string"}}'), "`not` at / is not supported"),
+        (
+            StructuredOutputParams(StructuredOutputKind.JSON, '{"not": {"type": "string"}}'),
+            "`not` at / is not supported",
+        ),
         (StructuredOutputParams(StructuredOutputKind.GRAMMAR, "root ::= x"), 'Rule "x" is not defined'),
     ],
 )
