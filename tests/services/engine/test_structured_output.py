@@ -249,3 +249,17 @@ async def test_async_engine_compiles_beside_the_loop_and_reports_bad_grammars(ll
         assert free == 64
     finally:
         engine.shutdown()
+
+
+def test_prefix_cache_hits_change_nothing(llm, llama_dir):
+    prompt = "A shared prompt that fills more than one block of sixteen tokens, twice over. " * 2
+    params = [json_params(seed=i) for i in range(4)]
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # its blocks now cached
+    cached = llm.generate([prompt] * 4, params)
+    assert all(o.num_cached_tokens > 0 for o in cached)
+    uncached_llm = LLM(model=str(llama_dir), num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    try:
+        uncached = uncached_llm.generate([prompt] * 4, params)
+    finally:
+        uncached_llm.shutdown()
+    assert [o.text for o in cached] == [o.text for o in uncached]
