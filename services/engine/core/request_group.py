@@ -141,7 +141,8 @@ class RequestGroups:
         seed = prepared.seed if prepared.seed is not None else self._rng.getrandbits(63)
         group = RequestGroup(user_id, prepared, seed, self.eos_token_ids, self.vocab_size, compiled)
         if params.n == 1 and not params.use_beam_search:
-            first = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))  # may refuse the tokens
+            # Built first: it may refuse handed-over tokens, and nothing is registered yet then.
+            single = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))
         self.groups[user_id] = group
         num_samples = params.beam_width if params.use_beam_search else params.n
         self.outputs.add_request(
@@ -152,7 +153,7 @@ class RequestGroups:
             group.beams = BeamSearchGroup(user_id, params, self.eos_token_ids, [Beam(first, 0.0)])
             self._submit(first, Member(user_id, MemberKind.BEAM))
         elif params.n == 1:
-            self._submit(first, Member(user_id, MemberKind.SAMPLE))
+            self._submit(single, Member(user_id, MemberKind.SAMPLE))
         elif len(prompt_ids) == 1:
             for i in range(params.n):
                 child = group.new_request(f"{user_id}/{i}", seed=_child_seed(seed, i))
