@@ -118,6 +118,7 @@ class RequestGroups:
         self._rng = random.Random(seed)
         self.groups: dict[str, RequestGroup] = {}
         self.members: dict[str, Member] = {}  # engine request id -> its place in a group
+        self.num_constrained = 0  # live groups with a grammar
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -144,6 +145,7 @@ class RequestGroups:
             # Built first: it may refuse handed-over tokens, and nothing is registered yet then.
             single = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))
         self.groups[user_id] = group
+        self.num_constrained += compiled is not None
         num_samples = params.beam_width if params.use_beam_search else params.n
         self.outputs.add_request(
             user_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples, prepared.output_prefix
@@ -167,6 +169,7 @@ class RequestGroups:
         group = self.groups.pop(user_id, None)
         if group is None:
             return
+        self.num_constrained -= group.compiled_grammar is not None
         for engine_id in group.engine_ids:
             self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED)
             self.members.pop(engine_id, None)
@@ -203,6 +206,8 @@ class RequestGroups:
 
     def grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Allowed next tokens of each constrained request that samples in this step."""
+        if not self.num_constrained:
+            return {}  # the common step: nothing to look at
         masks = {}
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.scheduler.get_request(request_id)
@@ -257,6 +262,7 @@ class RequestGroups:
         group.engine_ids.remove(request_id)
         if not group.engine_ids and (group.beams is None or group.beams.is_done):
             del self.groups[member.user_id]
+            self.num_constrained -= group.compiled_grammar is not None
 
     def _advance_beams(self, group: RequestGroup) -> None:
         user_id, beams = group.user_id, group.beams

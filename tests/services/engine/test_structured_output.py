@@ -52,6 +52,7 @@ def check_clean(llm: LLM) -> None:
     llm.core.check_integrity()
     assert llm.core.stats().num_free_kv_blocks == llm.core.num_kv_blocks
     assert not llm.core.waiting_for_grammar
+    assert llm.core.groups.num_constrained == 0  # the count that lets unconstrained steps skip the masks
 
 
 def test_json_schema_outputs_validate(llm):
