@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from baton.services.engine.execution.cpu_tuning import tune_malloc_for_cpu_inference
+from baton.services.model.cpu_tuning import tune_malloc_for_cpu_inference
 
 LAYERS, BLOCK, HEADS, DIM, NUM_BLOCKS = 8, 16, 4, 64, 512
 # How often the handover's end, and a raw NIXL READ's, are checked: the same for both, so

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ..model.cpu_tuning import run_torch_serially_in_this_thread
 from .config import KVTransferConfig
 from .connector import TransferError, advertised_host
 from .nixl_agent import Mailbox, create_agent
@@ -146,6 +147,7 @@ class NixlConnector(NixlPrefillSide):
     # -- the loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        run_torch_serially_in_this_thread()  # the engine thread keeps the only OpenMP team
         try:
             while not self._closed.is_set():
                 self._do_work(self._poll_interval())

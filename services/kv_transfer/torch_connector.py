@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from ..model.cpu_tuning import run_torch_serially_in_this_thread
 from ..roles import Role
 from . import wire_layout
 from .config import KVTransferConfig
@@ -71,9 +72,10 @@ class TorchDistributedConnector(KVConnector):
         self._endpoint = f"{host}:{self.store.port}"
         self.kv_caches: list[torch.Tensor] = []
         self._closed = threading.Event()
-        self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
+        # Serial torch in the transfer threads: the engine thread keeps the only OpenMP team.
+        self._send_pool = ThreadPoolExecutor(4, "kv-send", initializer=run_torch_serially_in_this_thread)
         # Receiving side.
-        self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
+        self._recv_pool = ThreadPoolExecutor(4, "kv-recv", initializer=run_torch_serially_in_this_thread)
         self._clients: dict[str, dist.TCPStore] = {}
         self._generations: dict[str, int] = {}
         # Data groups by pair key, and one lock per pair (a group runs one transfer at a time).

@@ -90,17 +90,23 @@ class AsyncLLM:
         core: EngineCore | None = None,
         worker_id: str = "",
     ) -> None:
-        self.core = core or EngineCore(config, kv_event_publisher, worker_id=worker_id)
-        self.config = self.core.config
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._stats = self.core.stats()
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        # The engine thread builds the core itself: the thread that loads the model is the
+        # one whose OpenMP team runs it (model/cpu_tuning.py says why that matters).
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if core is None:
+            build = lambda: EngineCore(config, kv_event_publisher, worker_id=worker_id)  # noqa: E731
+        else:
+            build = lambda: core  # noqa: E731
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="baton-engine", daemon=True)
         self._thread.start()
+        built.result()  # raises what building raised
+        self.config = self.core.config
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> AsyncLLM:
@@ -214,7 +220,14 @@ class AsyncLLM:
         if stream is not None:
             stream.put(error)
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
+        try:
+            self.core = build()
+            self._stats = self.core.stats()
+        except BaseException as e:  # handed to the constructor
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             while not self._stopping:
                 while self._commands:

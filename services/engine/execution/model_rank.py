@@ -27,7 +27,7 @@ from ...model.parallel import TPGroup, backend_for_device
 from ...roles import Role
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from .cpu_tuning import tune_malloc_for_cpu_inference
+from ...model.cpu_tuning import tune_malloc_for_cpu_inference
 from .model_runner import ModelRunner
 
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20

@@ -78,3 +78,34 @@ async def test_invalid_request_raises_before_streaming(engine):
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup2", "hi", greedy(2))
     await stream.aclose()
+
+
+def test_the_engine_thread_builds_the_core(llama_dir, monkeypatch):
+    """The thread that loads the model is the one that runs it: one OpenMP team per process
+    (services/model/cpu_tuning.py says why)."""
+    import threading
+
+    from baton.services.engine import engine_core
+
+    built_on = []
+    original = engine_core.EngineCore.__init__
+
+    def record(self, *args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_core.EngineCore, "__init__", record)
+    engine = AsyncLLM.from_kwargs(str(llama_dir), num_kv_blocks=32)
+    try:
+        assert built_on == ["baton-engine"]
+    finally:
+        engine.shutdown()
+
+
+def test_a_core_that_fails_to_build_raises_from_the_constructor(tmp_path):
+    import threading
+
+    before = set(threading.enumerate())
+    with pytest.raises(Exception, match="config.json|No such file|not a directory|does not exist"):
+        AsyncLLM.from_kwargs(str(tmp_path / "missing-model"))
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "baton-engine"]
