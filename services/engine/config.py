@@ -70,6 +70,12 @@ class SchedulerConfig(BaseModel):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap)"
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens a streamed request gathers before its next output (the first and the last go at "
+        "once); more per output costs less per token in every hop to the client, as vLLM's --stream-interval",
+    )
 
 
 class ParallelConfig(BaseModel):

@@ -66,7 +66,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos, config.structured_output)
         self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len, self.grammars)
         self.worker_id = worker_id
-        self.outputs = OutputProcessor(self.tokenizer, worker_id)
+        self.outputs = OutputProcessor(self.tokenizer, worker_id, self.config.scheduler.stream_interval)
         self.groups = RequestGroups(
             self.scheduler, self.outputs, eos, self.arch.vocab_size, config.model.seed, self._transfer_params
         )

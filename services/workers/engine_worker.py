@@ -83,7 +83,7 @@ class EngineWorker:
         self._check_capacity()
         stream = self.llm.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
         try:
-            async for output in stream:
+            async for output in stream.merged(call.params.output_kind):
                 yield output
         finally:
             await stream.aclose()
@@ -113,7 +113,7 @@ class EngineWorker:
             call.request_id, call.prompt_token_ids, call.params, call.cache_salt, handover=decode.handover
         )
         try:
-            async for output in stream:
+            async for output in stream.merged(call.params.output_kind):
                 yield output
         finally:
             await stream.aclose()

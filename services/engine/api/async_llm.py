@@ -27,8 +27,8 @@ from ..engine_core import EngineCore
 from ..errors import EngineDeadError, InvalidRequestError
 from ..stats import EngineStats
 from .handover import Handover
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import RequestOutput, merge_deltas
+from .sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +45,7 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._held: BaseException | None = None  # an error queued behind outputs being merged
         self._loop = asyncio.get_running_loop()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
@@ -61,11 +62,32 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            await self.aclose()
-            raise
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            try:
+                item = await self._queue.get()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+        return self._take(item)
+
+    async def merged(self, kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+        """The outputs, each merged with those already waiting behind it: a reader that falls
+        behind the engine gets its backlog in one message (several tokens per delta) rather
+        than paying per-message costs once per step. CUMULATIVE and FINAL_ONLY outputs
+        supersede each other, so the latest stands for the backlog."""
+        async for output in self:
+            backlog = [output]
+            while not self.finished and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, BaseException):
+                    self._held = item  # raised after the outputs that came before it
+                    break
+                backlog.append(self._take(item))
+            yield merge_deltas(backlog) if kind is RequestOutputKind.DELTA else backlog[-1]
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             self._engine._forget(self.request_id)

@@ -41,6 +41,7 @@ class RequestState:
     samples: list[_SampleState]
     num_cached_tokens: int = 0
     touched: bool = False  # has news since the last output
+    num_streamed_tokens: int | None = None  # tokens of all samples at the last output (None: none yet)
     kv_transfer_params: KVTransferParams | None = None
     kv_path: KVPath | None = None
 
@@ -50,9 +51,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, worker_id: str = "") -> None:
+    def __init__(self, tokenizer: Any, worker_id: str = "", stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.worker_id = worker_id  # stamped on every output: which engine worker produced it
+        self.stream_interval = stream_interval  # SchedulerConfig.stream_interval
         self.states: dict[str, RequestState] = {}
 
     def add_request(
@@ -146,16 +148,27 @@ class OutputProcessor:
         for request_id, state in list(self.states.items()):
             if not state.touched:
                 continue
-            state.touched = False
             finished = state.finished
+            if not finished and self._holds_back(state):
+                continue  # still touched: it goes out with a later step's tokens
+            state.touched = False
             if finished:
                 del self.states[request_id]
             if state.params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
                 continue
+            state.num_streamed_tokens = sum(len(s.token_ids) for s in state.samples)
             outputs.append(self._make_output(state, finished))
         return outputs
 
     # -- internals --------------------------------------------------------------------
+
+    def _holds_back(self, state: RequestState) -> bool:
+        """Whether an unfinished request waits for more tokens before its next output: with a
+        stream interval of k, after the first output, every k new tokens (or the end)."""
+        if self.stream_interval == 1 or state.num_streamed_tokens is None:
+            return False
+        new_tokens = sum(len(s.token_ids) for s in state.samples) - state.num_streamed_tokens
+        return new_tokens < self.stream_interval
 
     def _note_progress(self, state: RequestState, request: Request) -> None:
         state.touched = True

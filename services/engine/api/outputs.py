@@ -74,3 +74,48 @@ class RequestOutput:
     @property
     def logprobs(self) -> SampleLogprobs | None:
         return self.outputs[0].logprobs
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """One delta output equal to `outputs` (consecutive deltas of one request) in order.
+
+    A stream whose reader fell behind sends the backlog as one message: per sample the new
+    tokens, text and logprobs concatenate, and everything that describes the request's state
+    (finished, finish reasons, cached tokens, metrics, KV handover) comes from the latest."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    samples: dict[int, CompletionOutput] = {}
+    for output in outputs:
+        for piece in output.outputs:
+            merged = samples.get(piece.index)
+            if merged is None:
+                samples[piece.index] = CompletionOutput(
+                    piece.index,
+                    piece.text,
+                    list(piece.token_ids),
+                    piece.cumulative_logprob,
+                    None if piece.logprobs is None else list(piece.logprobs),
+                    piece.finish_reason,
+                    piece.stop_reason,
+                )
+                continue
+            merged.text += piece.text
+            merged.token_ids.extend(piece.token_ids)
+            if piece.logprobs is not None:
+                merged.logprobs = [*(merged.logprobs or []), *piece.logprobs]
+            merged.cumulative_logprob = piece.cumulative_logprob
+            merged.finish_reason, merged.stop_reason = piece.finish_reason, piece.stop_reason
+    transfer = next((o.kv_transfer_params for o in reversed(outputs) if o.kv_transfer_params is not None), None)
+    return RequestOutput(
+        last.request_id,
+        last.prompt,
+        last.prompt_token_ids,
+        list(samples.values()),
+        last.finished,
+        last.num_cached_tokens,
+        last.metrics,
+        transfer,
+        last.kv_path,
+        last.worker_id,
+    )
