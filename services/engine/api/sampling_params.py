@@ -7,12 +7,24 @@ the same here. `validate_for_model` adds the checks that need the model (vocabul
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+# Checked finite before their ranges: NaN fails every comparison (the range message would
+# mislead) and inf passes `temperature >= 0`.
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+)
 
 
 class StructuredOutputKind(enum.StrEnum):
@@ -89,6 +101,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(math.isfinite(value), name, f"must be a finite number, got {value}")
         _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")

@@ -26,6 +26,15 @@ from baton.services.engine import LLM, InvalidRequestError, ModelLoadError, Samp
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"use_beam_search": True, "beam_width": 2, "n": 2}, "n"),
+        # Non-finite floats (Python's json reads Infinity and NaN): inf passes most range checks.
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"length_penalty": float("nan")}, "length_penalty"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
