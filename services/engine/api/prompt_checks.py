@@ -11,6 +11,19 @@ from ..errors import InvalidRequestError
 def check_prompt_text(prompt: str, field: str = "prompt") -> None:
     if not prompt:
         raise InvalidRequestError(field, "must not be empty")
+    check_unicode(prompt, field)
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Refuses a lone surrogate (JSON's "\\ud800"): Python strings can hold one, UTF-8 cannot,
+    so no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code_point = ord(text[error.start])
+        raise InvalidRequestError(
+            field, f"contains a lone surrogate (U+{code_point:04X} at index {error.start}), which is not valid Unicode"
+        ) from None
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int, field: str = "prompt") -> None:

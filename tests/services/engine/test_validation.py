@@ -56,6 +56,12 @@ def test_prompt_over_the_context_limit(llm):
     assert not llm.core.has_unfinished_requests()
 
 
+def test_lone_surrogate_in_a_text_prompt_is_refused(llm):
+    with pytest.raises(InvalidRequestError, match="surrogate") as info:
+        llm.generate(["ok \ud800"], SamplingParams())
+    assert info.value.field == "prompt" and "TextEncodeInput" not in str(info.value)
+
+
 def test_engine_checks_need_the_model(llm):
     with pytest.raises(InvalidRequestError, match="logprobs"):
         llm.generate(["hi"], SamplingParams(logprobs=21))
