@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from ..structured_output.grammar_compiler import GrammarCompiler
 from .handover import Handover, can_disaggregate
-from .prompt_checks import check_prompt_ids, check_prompt_text
+from .prompt_checks import check_prompt_ids, check_prompt_text, resolve_max_tokens
 from .sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # resolved against the context limit
+    max_tokens: int  # resolved against the context limit (prompt_checks.resolve_max_tokens)
     seed: int | None
     cache_salt: str | None
     arrival_time: float
@@ -105,6 +105,7 @@ class InputProcessor:
         params = params or SamplingParams()
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
+        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
         if handover is not None:
             self._validate_handover(prompt_ids, params, handover)
         now = time.monotonic()
@@ -116,7 +117,7 @@ class InputProcessor:
             prompt=prompt_text,
             prompt_token_ids=prompt_ids,
             params=params,
-            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids)),
+            max_tokens=max_tokens,
             seed=params.seed,
             cache_salt=cache_salt,
             arrival_time=arrival_time if arrival_time is not None else now,

@@ -15,7 +15,7 @@ def engine(llama_dir):
     engine.shutdown()
 
 
-def greedy(max_tokens: int, kind=RequestOutputKind.DELTA) -> SamplingParams:
+def greedy(max_tokens: int | None, kind=RequestOutputKind.DELTA) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=kind)
 
 
@@ -42,7 +42,8 @@ async def test_concurrent_requests_are_independent(engine):
 
 
 async def test_cancelled_stream_aborts_and_frees_blocks(engine):
-    stream = engine.generate("cancel-me", "a long story", greedy(10_000))
+    # None: to the end of the context (a max_tokens past it is refused, no longer capped).
+    stream = engine.generate("cancel-me", "a long story", greedy(None))
     first = await stream.__anext__()
     assert not first.finished
     await stream.aclose()  # what a disconnecting client does
@@ -62,7 +63,7 @@ async def test_cancelled_stream_aborts_and_frees_blocks(engine):
 
 
 async def test_abort_by_id_finishes_with_abort(engine):
-    stream = engine.generate("abort-me", "a long story", greedy(10_000))
+    stream = engine.generate("abort-me", "a long story", greedy(None))
     await stream.__anext__()
     engine.abort("abort-me")
     outputs = [o async for o in stream]

@@ -67,7 +67,9 @@ def test_stop_string_truncates_text(llm, free_run):
 
 
 def test_context_limit_gives_length(llama_dir):
+    # max_tokens=None runs to the end of the context; a max_tokens past it is refused
+    # (test_validation.py), where it used to be capped silently.
     llm = LLM(model=str(llama_dir), num_kv_blocks=64, max_model_len=20)
     prompt = llm.tokenizer.encode("The quick brown fox jumps")
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
     assert len(prompt) + len(out.token_ids) == 20 and out.finish_reason == "length"

@@ -56,6 +56,22 @@ def test_prompt_over_the_context_limit(llm):
     assert not llm.core.has_unfinished_requests()
 
 
+def test_prompt_plus_max_tokens_over_the_context_is_refused_with_the_numbers(llm):
+    prompt = list(range(10, 70))  # 60 tokens; 4 fit after it in 64
+    with pytest.raises(InvalidRequestError, match="60 tokens.*max_tokens is 5.*64") as info:
+        llm.generate([prompt], SamplingParams(max_tokens=5))
+    assert info.value.field == "max_tokens"
+    assert not llm.core.has_unfinished_requests()
+    (fits,) = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(fits.outputs[0].token_ids) == 4
+
+
+def test_max_tokens_none_means_the_rest_of_the_context(llm):
+    prompt = list(range(10, 70))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
 def test_lone_surrogate_in_a_text_prompt_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="surrogate") as info:
         llm.generate(["ok \ud800"], SamplingParams())
