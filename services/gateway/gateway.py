@@ -5,20 +5,23 @@ applies `serve.ingress()` and `serve.deployment`. Ray Serve's gRPC proxy calls t
 methods named like the rpcs (Generate, Tokenize, GetModelInfo, Abort, and the standard
 health Check/Watch); its HTTP proxy serves the FastAPI app that `__serve_build_asgi_app__`
 builds on each replica. Each API module owns its mapping (`grpc_api`, `openai_api`); this
-class wires both onto one `GenerationService` and records their errors.
+class wires both onto one `GenerationService` and records their errors: a rejected request
+(4xx) is one log line, a server error is logged with its traceback; clients see neither the
+traceback nor internals (`serving_errors.status_of`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from baton.v1 import inference_pb2 as pb
 from fastapi import FastAPI
 
 from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
-from ..serving_errors import ErrorStatus, status_of
+from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
@@ -43,46 +46,58 @@ class Gateway:
         on_finished = _record_request if export_metrics else None
         self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished)
         self.openai = OpenAIApi(self.service, engine_client, lambda error: self._failure(error, "http"))
+        quiet_rejections()  # Serve's own traceback per rejected gRPC request, in this replica's log
 
     # -- gRPC: baton.v1.Inference -----------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
-        try:
-            generation = grpc_api.generation_request(request)
+        with self._grpc_errors(grpc_context):
+            generation = grpc_api.generation_request(grpc_api.parsed(request))
             num_top = generation.params.logprobs or 0
             async for event in self.service.stream(await self.service.prepare(generation)):
                 yield grpc_api.generate_response(event, num_top)
-        except Exception as error:  # every error becomes a status the client can read
-            self._set_grpc_error(grpc_context, error)
-            raise
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self.service.tokenize(request.text, add_special)
-        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+        with self._grpc_errors(grpc_context):
+            request = grpc_api.parsed(request)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = self.service.tokenize(request.text, add_special)
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
-        try:
+        with self._grpc_errors(grpc_context):
+            grpc_api.parsed(request)
             return grpc_api.model_info(
                 await self.service.model_info(), self.engine_client.roles, self.mode, self.router
             )
-        except Exception as error:
-            self._set_grpc_error(grpc_context, error)
-            raise
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:  # noqa: N802
-        return pb.AbortResponse(found=self.service.abort(request.request_id))
+        with self._grpc_errors(grpc_context):
+            return pb.AbortResponse(found=self.service.abort(grpc_api.parsed(request).request_id))
 
     # -- gRPC: grpc.health.v1.Health --------------------------------------------------
 
     async def Check(self, request, grpc_context=None):  # noqa: N802
+        """SERVING / NOT_SERVING for the server ("") and the services it serves; NOT_FOUND
+        for any other name, as the health protocol says."""
         from grpc_health.v1 import health_pb2
 
-        serving = await self.engine_client.is_healthy()
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        with self._grpc_errors(grpc_context):
+            service = grpc_api.parsed(request).service
+            if service not in grpc_api.served_services():
+                raise NotFoundError(f"service: {service!r} is not served here")
+            serving = await self.engine_client.is_healthy()
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, grpc_context=None):  # noqa: N802
+        """One answer; an unknown service is SERVICE_UNKNOWN, as the protocol asks of Watch."""
+        from grpc_health.v1 import health_pb2
+
+        with self._grpc_errors(grpc_context):
+            if grpc_api.parsed(request).service not in grpc_api.served_services():
+                yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                return
         yield await self.Check(request, grpc_context)
 
     # -- HTTP: OpenAI-compatible ------------------------------------------------------
@@ -91,20 +106,29 @@ class Gateway:
         return build_http_app(self.openai)
 
     def _failure(self, error: Exception, api: str) -> ErrorStatus:
+        """The client's status for `error`; logs one line for a rejection, the traceback (with
+        what the client is not told: actor ids, pids, addresses) for a server error."""
         status = status_of(error)
-        if status.http_status >= 500:
-            logger.warning("request failed: %s", status.message)
+        if status.is_rejection:
+            logger.info("%s request refused, %s: %s", api, status.grpc_code.name, status.message)
+        else:
+            logger.error("%s request failed, %s: %s", api, status.grpc_code.name, error, exc_info=error)
         if self.export_metrics:
             metrics.record_error(api, status.grpc_code.name)
         return status
 
-    def _set_grpc_error(self, grpc_context, error: Exception) -> None:
-        """Sets the status on Serve's gRPC context; re-raising then keeps it (Ray wraps the
-        exception with the code set here instead of reporting INTERNAL)."""
-        status = self._failure(error, "grpc")
-        if grpc_context is not None:
-            grpc_context.set_code(status.grpc_code)
-            grpc_context.set_details(status.message)
+    @contextlib.contextmanager
+    def _grpc_errors(self, grpc_context) -> Iterator[None]:
+        """Sets an error's status on Serve's gRPC context and re-raises: Ray then reports the
+        code set here instead of INTERNAL (a streaming rpc can end with an error no other way)."""
+        try:
+            yield
+        except Exception as error:
+            status = self._failure(error, "grpc")
+            if grpc_context is not None:
+                grpc_context.set_code(status.grpc_code)
+                grpc_context.set_details(status.message)
+            raise
 
 
 def _record_request(api: str, event: GenerationEvent) -> None:

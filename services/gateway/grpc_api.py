@@ -6,8 +6,10 @@ from baton.v1 import inference_pb2 as pb
 
 from ..engine.api.sampling_params import SamplingParams, StructuredOutputKind
 from ..engine.errors import InvalidRequestError
+from ..serving_errors import MalformedRequestError
 from ..worker_calls import WorkerModelInfo
 from .generation import GenerationEvent, GenerationRequest
+from .grpc_servicers import MalformedMessage
 from .structured_output import Constraint, constraint_of_kind, json_schema_constraint
 
 # Proto field -> SamplingParams field, for the optional scalars (unset means the default).
@@ -28,6 +30,21 @@ _OPTIONAL_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
+
+
+def parsed(request):
+    """The request, or INVALID_ARGUMENT for bytes the proxy could not parse (grpc_servicers)."""
+    if isinstance(request, MalformedMessage):
+        raise MalformedRequestError(request.message)
+    return request
+
+
+def served_services() -> frozenset[str]:
+    """The names the health check knows: the server as a whole ("") and each service."""
+    from grpc_health.v1 import health_pb2
+
+    services = (pb.DESCRIPTOR.services_by_name["Inference"], health_pb2.DESCRIPTOR.services_by_name["Health"])
+    return frozenset({""} | {service.full_name for service in services})
 
 
 def generation_request(request: pb.GenerateRequest) -> GenerationRequest:

@@ -38,9 +38,11 @@ METRICS_REPORT_INTERVAL_MS = 2000
 # (30 s), leaving time for Serve, Ray and Redis to stop after it.
 DEFAULT_GRACE_PERIOD_S = 20.0
 DRAIN_POLL_S = 0.25
+# baton.v1.Inference and grpc.health.v1.Health, with request parsers that answer malformed
+# bytes with INVALID_ARGUMENT (gateway/grpc_servicers.py); the Helm chart names the same.
 GRPC_SERVICERS = [
-    "baton.v1.inference_pb2_grpc.add_InferenceServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server",
+    "baton.services.gateway.grpc_servicers.add_health_servicer_to_server",
 ]
 
 

@@ -85,7 +85,8 @@ group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's
 {{- define "baton.serveConfig" -}}
 {{- $cfg := include "baton.config" . | fromYaml -}}
 {{- $http := dict "host" "0.0.0.0" "port" $cfg.server.http_port -}}
-{{- $servicers := list "baton.v1.inference_pb2_grpc.add_InferenceServicer_to_server" "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server" -}}
+{{- /* baton.services.launcher.launcher.GRPC_SERVICERS: parsers that answer malformed bytes with INVALID_ARGUMENT */ -}}
+{{- $servicers := list "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server" "baton.services.gateway.grpc_servicers.add_health_servicer_to_server" -}}
 {{- $grpc := dict "port" $cfg.server.grpc_port "grpc_servicer_functions" $servicers -}}
 {{- with $cfg.server.request_timeout_s -}}
 {{- $_ := set $http "request_timeout_s" . -}}

@@ -80,6 +80,11 @@ class FakeGrpcContext:
         self.details = details
 
 
+@pytest.fixture
+def grpc_context() -> FakeGrpcContext:
+    return FakeGrpcContext()
+
+
 async def grpc_generate_failing(gateway, request) -> FakeGrpcContext:
     """Runs Generate expecting it to fail; the context holds the status it set."""
     context = FakeGrpcContext()

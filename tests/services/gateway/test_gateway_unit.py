@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from baton.services.engine.errors import EngineDeadError
 from baton.services.gateway.openai_api import build_http_app
-from baton.services.serving_errors import NoHealthyWorkersError, ServerOverloadedError
+from baton.services.serving_errors import (
+    ENGINE_STOPPED,
+    WORKER_LOST,
+    NoHealthyWorkersError,
+    ServerOverloadedError,
+)
 from baton.v1 import inference_pb2 as pb
 from fastapi.testclient import TestClient
+from ray.exceptions import RayActorError
 
 
 @pytest.mark.parametrize(
@@ -28,6 +35,32 @@ async def test_placement_errors_map_to_codes(fake_gateway, grpc_failure, error, 
     assert reply.json()["error"]["message"].endswith(str(error)) or str(error) in reply.json()["error"]["message"]
     streamed = http.post("/v1/completions", json={"prompt": "hi", "stream": True})
     assert streamed.status_code == status  # an error at once still gets its status, not 200 + an error event
+
+
+class DecodeWorkerDied(RayActorError):
+    """What Ray raises when a decode replica dies mid-stream, with the details Ray puts in it."""
+
+    def __str__(self) -> str:
+        return "The actor died. actor_id=27f282200b6a4d03f2930fb801000000, pid=4230, ip=10.0.0.7"
+
+
+@pytest.mark.parametrize(
+    "error,message",
+    [
+        (DecodeWorkerDied(), WORKER_LOST),
+        (EngineDeadError("the engine stopped after an error: RuntimeError('CUDA error at 0x7f3b')"), ENGINE_STOPPED),
+    ],
+)
+async def test_worker_death_reaches_clients_without_ids_or_pids(fake_gateway, grpc_failure, error, message):
+    gateway, _ = fake_gateway(error=error)
+    context = await grpc_failure(gateway, pb.GenerateRequest(text="hi"))
+    assert context.code == grpc.StatusCode.UNAVAILABLE and context.details == message
+    http = TestClient(build_http_app(gateway.openai))
+    for body in ({"prompt": "hi"}, {"prompt": "hi", "stream": True}):
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 503 and reply.json()["error"]["message"] == message
+    for leak in ("actor_id", "pid", "10.0.0.7", "RuntimeError", "0x7f3b"):
+        assert leak not in message
 
 
 async def test_validation_happens_before_placement(fake_gateway, grpc_failure):

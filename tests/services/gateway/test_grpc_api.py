@@ -102,10 +102,48 @@ def test_health_check(baton_app):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(baton_app.grpc_address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), metadata=(("application", "baton"),)
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "baton.v1.Inference"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=(("application", "baton"),))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), metadata=(("application", "baton"),))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    "data,problem",
+    [
+        (b"\xff\xff\xff", "the bytes are not a valid protobuf encoding of it"),
+        (b"\x0a\x02\xc3\x28", "a string field is not valid UTF-8"),
+    ],
+)
+def test_malformed_bytes_are_invalid_argument_saying_why(baton_app, data, problem):
+    with grpc.insecure_channel(baton_app.grpc_address) as channel:
+        generate = channel.unary_stream(
+            "/baton.v1.Inference/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate(data, metadata=(("application", "baton"),), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == f"the request is not a valid baton.v1.GenerateRequest message: {problem}"
+
+
+def test_rejections_leave_no_traceback_in_serve_logs(baton_app, client):
+    logs = baton_app.ray_logs_dir / "serve"
+    access_line = "/baton.v1.Inference/Generate baton INVALID_ARGUMENT"
+
+    def serve_logs() -> str:
+        return "".join(path.read_text(errors="replace") for path in logs.glob("*.log"))
+
+    before = serve_logs().count(access_line)
+    with pytest.raises(grpc.RpcError):
+        collect(client, pb.GenerateRequest(text="reject me", sampling=pb.SamplingParameters(top_p=0)))
+    deadline = time.monotonic() + 10
+    while (text := serve_logs()).count(access_line) == before and time.monotonic() < deadline:
+        time.sleep(0.2)  # the proxy's access line comes after any traceback it would write
+    assert text.count(access_line) > before
+    assert "InvalidRequestError" not in text and "gRPCStatusError" not in text
 
 
 @pytest.mark.parametrize(
@@ -136,6 +174,17 @@ def test_prompt_over_the_context_limit(client):
         collect(client, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 300)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "300" in info.value.details() and "256" in info.value.details()
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused_not_capped(client):
+    sampling = pb.SamplingParameters(max_tokens=10, temperature=0, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 250), sampling=sampling))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert all(n in info.value.details() for n in ("250 tokens", "max_tokens is 10", "256"))
+    sampling.max_tokens = 6
+    responses = collect(client, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 250), sampling=sampling))
+    assert sum(len(r.token_ids) for r in responses) == 6
 
 
 def test_missing_prompt(client):

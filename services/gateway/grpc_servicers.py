@@ -1,0 +1,96 @@
+"""How the gRPC services are registered on Ray Serve's gRPC proxy (`gRPCOptions.
+grpc_servicer_functions` names the two `add_*` functions here).
+
+The generated `add_*Servicer_to_server` functions parse each request in the proxy with
+`FromString`; bytes that are not a message of the rpc's type (or a string field that is not
+UTF-8) then raise inside grpcio, whose answer is UNKNOWN with a Python class name. These
+register the same methods with a parser that cannot raise: a request it cannot read
+arrives at the gateway as a `MalformedMessage`, which the gateway answers with
+INVALID_ARGUMENT saying what is wrong (`grpc_api.parsed`).
+
+Both functions run in the proxy's process, the only Baton code that does; they also quiet
+Ray Serve's tracebacks for rejected requests there (`serving_errors.quiet_rejections`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+
+from ..serving_errors import quiet_rejections
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedMessage:
+    """A request the proxy could not parse (pickled on to the gateway replica)."""
+
+    type_name: str  # the protobuf type the rpc takes, e.g. baton.v1.GenerateRequest
+    problem: str  # what is wrong with the bytes, in words
+
+    @property
+    def message(self) -> str:
+        return f"the request is not a valid {self.type_name} message: {self.problem}"
+
+
+def add_inference_servicer_to_server(servicer: Any, server: Any) -> None:
+    from baton.v1 import inference_pb2
+
+    add_service(inference_pb2.DESCRIPTOR.services_by_name["Inference"], servicer, server)
+
+
+def add_health_servicer_to_server(servicer: Any, server: Any) -> None:
+    from grpc_health.v1 import health_pb2
+
+    add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], servicer, server)
+
+
+def add_service(service: ServiceDescriptor, servicer: Any, server: Any) -> None:
+    """Registers every method of `service` as the generated code does, but with a tolerant
+    request parser."""
+    quiet_rejections()
+    handlers = {
+        method.name: _method_handler(method, behaviour)
+        for method in service.methods
+        if (behaviour := getattr(servicer, method.name, None)) is not None  # Health/List: not served
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    add_registered = getattr(server, "add_registered_method_handlers", None)  # grpcio >= 1.63
+    if add_registered is not None:
+        add_registered(service.full_name, handlers)
+
+
+def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
+    """`message_class.FromString`, returning a MalformedMessage instead of raising."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return MalformedMessage(message_class.DESCRIPTOR.full_name, _problem(error))
+
+    return parse
+
+
+def _method_handler(method: Any, behaviour: Callable) -> grpc.RpcMethodHandler:
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    if method.client_streaming:
+        raise ValueError(f"{method.full_name}: client-streaming rpcs are not registered here")
+    make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+    return make(
+        behaviour,
+        request_deserializer=tolerant_parser(request_class),
+        response_serializer=response_class.SerializeToString,
+    )
+
+
+def _problem(error: DecodeError) -> str:
+    if "UTF-8" in str(error):
+        return "a string field is not valid UTF-8"
+    return "the bytes are not a valid protobuf encoding of it"
