@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from ..serving_errors import ErrorStatus, status_of
+from ..serving_errors import ErrorStatus
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
+from .openai_errors import body_error, check_strings
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionAccumulator,
@@ -57,6 +59,7 @@ class OpenAIApi:
 
     async def completions(self, body: CompletionRequest):
         try:
+            check_strings(body)
             await self.service.check_model(body.model)
             body.check_supported()
             prompts = body.prompts()
@@ -77,21 +80,24 @@ class OpenAIApi:
                 for i, p in enumerate(prompts)
             ]
         except Exception as error:
-            return self._error_response(error)
+            return self.error_response(error)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _sse(self._stream_completions(requests, params.n, response_id, body), self._error_response)
+            return await _sse(self._stream_completions(requests, params.n, response_id, body), self.record_error)
         return await self._complete(requests, params.n, response_id, body, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest):
         try:
+            check_strings(body)
             await self.service.check_model(body.model)
             body.check_supported()
             forced_call = body.forced_tool_call()
             constraint = body.constraint(forced_call)
             prompt_ids = self.service.apply_chat_template(body.message_dicts(), body.tool_dicts(forced_call))
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs, constraint)
+            # Unset, chat may generate to the end of the context, as OpenAI's and vLLM's do.
+            max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+            params = body.sampling_params(max_tokens, logprobs, constraint)
             request = GenerationRequest(
                 prompt_ids,
                 params,
@@ -102,11 +108,11 @@ class OpenAIApi:
             )
             requests = [await self.service.prepare(request)]
         except Exception as error:
-            return self._error_response(error)
+            return self.error_response(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             chunks = self._stream_chat(requests[0], response_id, body, forced_call)
-            return await _sse(chunks, self._error_response)
+            return await _sse(chunks, self.record_error)
         return await self._complete(requests, params.n, response_id, body, chat=True, forced_call=forced_call)
 
     # -- internals --------------------------------------------------------------------
@@ -129,7 +135,7 @@ class OpenAIApi:
                     if event.finished:
                         total = _add_usage(total, event)
         except Exception as error:
-            return self._error_response(error)
+            return self.error_response(error)
         info = await self.service.model_info()
         choices = []
         for index in range(len(requests) * n):
@@ -232,9 +238,14 @@ class OpenAIApi:
         if _include_usage(body):
             yield {**base, "choices": [], "usage": usage_body(usage)}
 
-    def _error_response(self, error: Exception) -> JSONResponse:
-        status = self.record_error(error)
-        return JSONResponse(_status_body(status), status_code=status.http_status)
+    def error_response(self, error: Exception) -> JSONResponse:
+        return _status_response(self.record_error(error))
+
+
+# FastAPI's detail when the body is no text JSON can read (bytes that are not UTF-8, say).
+FASTAPI_UNREADABLE_BODY = "There was an error parsing the body"
+_UNREADABLE_BODY = "the request body could not be read as JSON: it must be UTF-8 JSON text"
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 def build_http_app(api: OpenAIApi) -> FastAPI:
@@ -242,11 +253,19 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
     http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment")
 
     @http.exception_handler(RequestValidationError)
-    async def validation_error(_request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(error)
-        return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return api.error_response(body_error(error, _BODY_MODELS.get(request.url.path)))
+
+    @http.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Unknown paths, wrong methods, unreadable bodies: OpenAI's shape, like every error."""
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"{where} does not exist", 405: f"{where}: method not allowed"}.get(
+            error.status_code, _UNREADABLE_BODY if error.detail == FASTAPI_UNREADABLE_BODY else str(error.detail)
+        )
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        body = error_body(message, kind if error.status_code < 500 else "internal_error", None, error.status_code)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     @http.get("/v1/models")
     async def list_models():
@@ -282,7 +301,8 @@ def _sub_id(request_id: str | None, index: int, count: int) -> str:
 
 
 def _include_usage(body) -> bool:
-    return body.stream_options is None or body.stream_options.include_usage
+    """The usage chunk comes only when asked for, as OpenAI defines `include_usage`."""
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def _add_usage(total: Usage | None, event: GenerationEvent) -> Usage:
@@ -298,8 +318,12 @@ def _status_body(status: ErrorStatus) -> dict[str, Any]:
     return error_body(status.message, status.openai_type, status.param, status.http_status)
 
 
+def _status_response(status: ErrorStatus) -> JSONResponse:
+    return JSONResponse(_status_body(status), status_code=status.http_status)
+
+
 async def _sse(
-    events: AsyncIterator[dict], on_error: Callable[[Exception], JSONResponse]
+    events: AsyncIterator[dict], record_error: Callable[[Exception], ErrorStatus]
 ) -> StreamingResponse | JSONResponse:
     """Server-sent events. The first event is awaited before the headers go out, so an
     error that comes at once (overload, no worker) still gets its HTTP status."""
@@ -309,7 +333,7 @@ async def _sse(
     except StopAsyncIteration:
         first = None
     except Exception as error:
-        return on_error(error)
+        return _status_response(record_error(error))
 
     async def body():
         try:
@@ -318,7 +342,7 @@ async def _sse(
                 async for event in iterator:
                     yield f"data: {json.dumps(event)}\n\n"
         except Exception as error:  # after the headers went out: report in the stream
-            yield f"data: {json.dumps(_status_body(status_of(error)))}\n\n"
+            yield f"data: {json.dumps(_status_body(record_error(error)))}\n\n"
         finally:
             await iterator.aclose()
         yield "data: [DONE]\n\n"

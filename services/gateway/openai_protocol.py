@@ -6,6 +6,15 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, .
 output constraints of `openai_constraints` and chat's forced tool calls (`tool_calls`).
 Fields Baton does not implement that would change the output are refused
 (`openai_refused`); other unknown fields are ignored, as vLLM does.
+
+Numbers: JSON has no Infinity or NaN (RFC 8259), yet Python's json module reads both, so a
+body may carry them. Rather than refuse such a body as invalid JSON, every float field
+refuses a non-finite value with a 400 naming it (`allow_inf_nan=False`), the same answer
+SamplingParams gives gRPC and offline callers.
+
+max_tokens: unset on completions means 16 (OpenAI's and vLLM's default); unset on chat
+means up to the end of the context. A prompt plus max_tokens over the context is a 400
+with both numbers (engine/api/prompt_checks.py), never a silently shorter completion.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(ConstraintFields):
     # Extra fields are kept, so that those refused by name (openai_refused) can be seen.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -83,7 +92,8 @@ class _SamplingFields(ConstraintFields):
             "structured_output": constraint.params if constraint else None,
         }
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(stop=stop, **{k: v for k, v in fields.items() if v is not None})
+        given = {k: v for k, v in fields.items() if v is not None}
+        return SamplingParams(stop=stop, **{**given, "max_tokens": max_tokens})  # None: to the end of the context
 
     def _refuse_unsupported(self, refusals) -> None:
         refuse_unsupported(self.model_extra or {}, refusals)
@@ -95,6 +105,7 @@ class _SamplingFields(ConstraintFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default; null: to the end of the context
     logprobs: int | None = None
     best_of: int | None = None  # only n: every sample is returned
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt

@@ -74,12 +74,20 @@ def test_chat_completion(client, offline):
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.text
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    unasked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True)
+    assert all(c.usage is None for c in unasked)  # usage only with include_usage, as OpenAI defines it
 
 
 def test_chat_logprobs(client):
@@ -112,6 +120,15 @@ def test_prompt_over_the_context_limit_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=[7] * 300, max_tokens=4)
     assert "300" in info.value.body["message"] and "256" in info.value.body["message"]
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400_with_the_numbers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[7] * 250, max_tokens=10)
+    assert info.value.body["param"] == "max_tokens"
+    assert all(n in info.value.body["message"] for n in ("250 tokens", "max_tokens is 10", "256"))
+    fits = client.completions.create(model=MODEL, prompt=[7] * 250, max_tokens=6, extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == 6
 
 
 def test_unknown_model_is_404(client):
