@@ -23,6 +23,7 @@ from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
+from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
 from .openai_api import OpenAIApi, build_http_app
@@ -54,7 +55,7 @@ class Gateway:
         with self._grpc_errors(grpc_context):
             generation = grpc_api.generation_request(grpc_api.parsed(request))
             num_top = generation.params.logprobs or 0
-            async for event in self.service.stream(await self.service.prepare(generation)):
+            async for event in self.service.stream(await prepare_within_context(self.service, generation)):
                 yield grpc_api.generate_response(event, num_top)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802

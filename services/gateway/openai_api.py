@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..serving_errors import ErrorStatus
+from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
 from .openai_errors import body_error, check_strings
@@ -66,7 +67,8 @@ class OpenAIApi:
             constraint = body.constraint()
             params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
             requests = [
-                await self.service.prepare(
+                await prepare_within_context(
+                    self.service,
                     GenerationRequest(
                         p,
                         params,
@@ -75,7 +77,7 @@ class OpenAIApi:
                         body.add_special_tokens,
                         api="http",
                         constraint_field=constraint.field if constraint else None,
-                    )
+                    ),
                 )
                 for i, p in enumerate(prompts)
             ]
@@ -106,7 +108,7 @@ class OpenAIApi:
                 api="http",
                 constraint_field=constraint.field if constraint else None,
             )
-            requests = [await self.service.prepare(request)]
+            requests = [await prepare_within_context(self.service, request)]
         except Exception as error:
             return self.error_response(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -72,6 +72,25 @@ async def test_validation_happens_before_placement(fake_gateway, grpc_failure):
     assert engine_client.calls == []
 
 
+async def test_prompt_plus_max_tokens_over_the_context_is_refused_before_placement(fake_gateway, grpc_failure):
+    gateway, engine_client = fake_gateway()  # max_model_len 64
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3] * 60), sampling=pb.SamplingParameters(max_tokens=10))
+    context = await grpc_failure(gateway, request)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert all(n in context.details for n in ("60 tokens", "max_tokens is 10", "64", "at most 4"))
+    http = TestClient(build_http_app(gateway.openai))
+    for path, body in [
+        ("/v1/completions", {"prompt": [3] * 60, "max_tokens": 10}),
+        ("/v1/completions", {"prompt": [3] * 60}),  # the default 16 does not fit either
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60}),
+    ]:
+        reply = http.post(path, json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+    assert engine_client.calls == []
+    assert http.post("/v1/completions", json={"prompt": [3] * 60, "max_tokens": 4}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+
+
 def test_health_reports_503_when_workers_are_down(fake_gateway):
     http = TestClient(build_http_app(fake_gateway(healthy=False)[0].openai))
     assert http.get("/health").status_code == 503
