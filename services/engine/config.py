@@ -131,6 +131,32 @@ class StructuredOutputConfig(BaseModel):
     )
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding where this engine decodes (colocated, or the decode service)."""
+
+    model_config = _FROZEN
+
+    method: Literal["ngram"] | None = Field(
+        None, description="ngram: prompt lookup over the request's own tokens, no extra model. None: off"
+    )
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens verified per request per step (k)")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: the shortest suffix n-gram to look up")
+    prompt_lookup_max: int = Field(5, ge=1, description="ngram: the longest suffix n-gram to look up")
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 class EngineConfig(BaseModel):
     model_config = _FROZEN
 
@@ -141,16 +167,17 @@ class EngineConfig(BaseModel):
     runner: RunnerConfig = RunnerConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Builds the config from flat keyword arguments, as `LLM(model=..., block_size=...)`."""
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
-            section = _FIELD_TO_SECTION.get(key)
+            section, field = _FLAT_ALIASES.get(key, (_FIELD_TO_SECTION.get(key), key))
             if section is None:
                 raise TypeError(f"unknown engine argument {key!r}")
-            sections[section][key] = value
+            sections[section][field] = value
         return cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
 
 
@@ -162,6 +189,10 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "runner": RunnerConfig,
     "kv_transfer": KVTransferConfig,
     "structured_output": StructuredOutputConfig,
+    "speculative": SpeculativeConfig,
 }
 _FIELD_TO_SECTION = {field: section for section, model in _SECTIONS.items() for field in model.model_fields}
 _FIELD_TO_SECTION["worker_timeout_s"] = "parallel"  # the old name of rank_timeout_s
+# Flat names that would be ambiguous without their section: LLM(..., speculative_method="ngram").
+_FLAT_ALIASES = {"speculative_method": ("speculative", "method")}
+_FIELD_TO_SECTION.pop("method")

@@ -31,6 +31,7 @@ from .core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .engine_setup import check_engine_config, create_executor, resolve_max_model_len
 from .errors import InvalidRequestError
 from .execution.executor import Executor
+from .spec_decode.speculator import Speculator
 from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
 from .structured_output.grammar_compiler import GrammarCompiler
@@ -66,6 +67,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos, config.structured_output)
         self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len, self.grammars)
         self.worker_id = worker_id
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative.enabled else None
         self.outputs = OutputProcessor(self.tokenizer, worker_id, self.config.scheduler.stream_interval)
         self.groups = RequestGroups(
             self.scheduler, self.outputs, eos, self.arch.vocab_size, config.model.seed, self._transfer_params
@@ -152,10 +154,12 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
             if not scheduler_output.is_empty:
                 self._record_step_cost(scheduler_output, time.perf_counter() - start)
-            self._update(runner_output)
+            self._update(scheduler_output, runner_output)
             if runner_output.kv_transfer:
                 self.scheduler.update_kv_transfer(runner_output.kv_transfer)
         self.groups.fork_completed_prefixes()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running_requests())
         self.publish_kv_events()
         return self.outputs.take_outputs()
 
@@ -206,9 +210,15 @@ class EngineCore:
                     self._failures.append((prepared.request_id, error))
         self.waiting_for_grammar = still_compiling
 
-    def _update(self, runner_output: ModelRunnerOutput) -> None:
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         now = time.monotonic()
+        drafts = scheduler_output.spec_token_ids
         for request_id, sampled in runner_output.sampled.items():
+            num_drafts = len(drafts.get(request_id, ()))
+            request = self.scheduler.get_request(request_id) if num_drafts else None
+            if request is not None:  # None: aborted while the step ran
+                self.scheduler.settle_drafts(request, num_drafts, len(sampled) - 1)
+                self.speculator.record(num_drafts, len(sampled) - 1)
             self.groups.on_sampled(request_id, sampled, now)
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

@@ -68,6 +68,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv_path: KVPath | None = None  # decode side: TRANSFERRED or RECOMPUTED once known
+    # Speculative decoding: draft tokens proposed for the next step, verified there. They are
+    # never in all_token_ids (nor hashed into the prefix cache) until the target accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

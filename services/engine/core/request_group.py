@@ -177,8 +177,10 @@ class RequestGroups:
 
     # -- each step --------------------------------------------------------------------
 
-    def on_sampled(self, request_id: str, sampled: SampledToken, now: float) -> None:
-        """Applies one sampled token: to its beam group, or to the request and its output."""
+    def on_sampled(self, request_id: str, tokens: list[SampledToken], now: float) -> None:
+        """Applies a step's tokens of one request (one, or accepted drafts and the token after
+        them) in order, up to the one that finishes it: to its beam group, or to the request
+        and its output."""
         request = self.scheduler.get_request(request_id)
         member = self.members.get(request_id)
         if request is None or member is None:
@@ -186,10 +188,17 @@ class RequestGroups:
         if request.first_token_time is None:
             request.first_token_time = now
         if member.kind is MemberKind.BEAM:
+            (sampled,) = tokens  # beams never speculate
             beams = self.groups[member.user_id].beams
             if beams.report(request_id, sampled):
                 self._advance_beams(self.groups[member.user_id])
             return
+        for sampled in tokens:
+            if self._apply_token(request_id, request, member, sampled):
+                return
+
+    def _apply_token(self, request_id: str, request: Request, member: Member, sampled: SampledToken) -> bool:
+        """Appends one token to the request and its output; True if it finished the request."""
         finished = self.scheduler.append_token(request, sampled.token_id)
         if request.grammar is not None and self._grammar_ends(request, sampled.token_id):
             self.scheduler.stop(request)
@@ -203,6 +212,7 @@ class RequestGroups:
                 self.outputs.set_kv_transfer_params(member.user_id, self.transfer_params(request))
             self.outputs.on_finished(member.user_id, member.index, request)
             self._release(request_id)
+        return finished
 
     def grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Allowed next tokens of each constrained request that samples in this step."""

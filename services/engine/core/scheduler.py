@@ -72,6 +72,9 @@ class Scheduler:
     def num_waiting_prefill_tokens(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
+    def running_requests(self) -> list[Request]:
+        return list(self.running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -206,6 +209,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
         preempted_now = False
         self.handover.expire(time.monotonic())
 
@@ -227,6 +231,10 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                if request.spec_token_ids:  # the budget may have cut the drafts short
+                    if num_new > 1:
+                        spec[request.request_id] = request.spec_token_ids[: num_new - 1]
+                    request.spec_token_ids = []
 
         # 2. Waiting requests, unless this step had to preempt (memory is short).
         while self.waiting and not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -253,7 +261,13 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return self._make_output(scheduled)
+        return self._make_output(scheduled, spec)
+
+    def settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a step verified `num_drafts` drafts of `request`: the slots of the rejected
+        ones hold K/V of tokens that never happened, so they count as not computed (the next
+        tokens overwrite them)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
 
     # -- internals --------------------------------------------------------------------
 
@@ -273,7 +287,10 @@ class Scheduler:
         return True
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        return self._cap_chunk(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new == 1:
+            num_new += len(request.spec_token_ids)  # a decode verifies its drafts in the same pass
+        return self._cap_chunk(num_new, budget)
 
     def _cap_chunk(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -293,6 +310,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         if request.request_id in self._runner_views:
@@ -315,7 +333,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
-    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+    def _make_output(self, scheduled: dict[str, int], spec: dict[str, list[int]]) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         rewritten = self.kv.take_rewritten()
@@ -365,6 +383,7 @@ class Scheduler:
             kv_leases_added=leases_added,
             kv_leases_removed=leases_removed,
             kv_recvs=recvs,
+            spec_token_ids=spec,
         )
         self._finished_since_last = set()
         self._preempted_since_last = set()

@@ -60,6 +60,9 @@ class SchedulerOutput:
     # Structured output: the allowed next tokens (int32 bitmask row) of each constrained
     # request that samples this step.
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens each request verifies this step. Its scheduled
+    # tokens are its last sampled token followed by these.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def has_kv_work(self) -> bool:
@@ -81,7 +84,8 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    # One entry per request that reached the end of its tokens this step.
-    sampled: dict[str, SampledToken]
+    # One entry per request that reached the end of its tokens this step: the token it
+    # sampled, or with drafts the accepted drafts and the one token after them.
+    sampled: dict[str, list[SampledToken]]
     # KV transfers that ended since the last step (None without a connector).
     kv_transfer: KVTransferStatus | None = None

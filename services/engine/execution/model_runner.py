@@ -26,6 +26,7 @@ from ...model.parallel import TPGroup
 from ...model.registry import create_model
 from ..api.sampling_params import SamplingParams
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..spec_decode.verify import verify
 from .sampler import Sampler, SamplingRow
 
 
@@ -118,7 +119,11 @@ class ModelRunner:
             return {}  # rank 0 samples for the group
         masks = scheduler_output.grammar_bitmasks
         rows = [self._sampling_row(self.requests[rid], masks.get(rid)) for rid in batch.sample_request_ids]
-        return dict(zip(batch.sample_request_ids, self.sampler(logits, rows)))
+        spec = scheduler_output.spec_token_ids
+        if not spec:
+            return {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
+        drafts = [spec.get(rid, []) for rid in batch.sample_request_ids]
+        return dict(zip(batch.sample_request_ids, verify(self.sampler, logits, rows, drafts)))
 
     def _hand_over(self, so: SchedulerOutput) -> None:
         """Passes the scheduler's transfer decisions to the connector, before the forward pass:
@@ -176,8 +181,9 @@ class ModelRunner:
             kv_cache[:, dst] = kv_cache[:, src]
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
-        counts = so.num_scheduled_tokens
-        # Decodes (one token) first, then prefill chunks; stable within each group.
+        counts, spec = so.num_scheduled_tokens, so.spec_token_ids
+        # Decodes (one token) first, then prefill chunks and decodes with drafts (several
+        # query tokens each); stable within each group.
         order = [rid for rid, n in counts.items() if n == 1] + [rid for rid, n in counts.items() if n > 1]
         num_decodes = sum(1 for n in counts.values() if n == 1)
         states = [self.requests[rid] for rid in order]
@@ -186,8 +192,9 @@ class ModelRunner:
         seq_lens = starts + num_tokens
 
         input_ids: list[int] = []
-        for state, start, n in zip(states, starts.tolist(), num_tokens.tolist()):
+        for rid, state, start, n in zip(order, states, starts.tolist(), num_tokens.tolist()):
             input_ids.extend(state.token_ids[start : start + n])
+            input_ids.extend(spec.get(rid, ()))  # after the last real token: the drafts to verify
         query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=query_start_loc[1:])
         request_index = np.repeat(np.arange(len(order)), num_tokens)
@@ -202,9 +209,11 @@ class ModelRunner:
 
         sample_ids, logits_indices = [], []
         for i, state in enumerate(states):
-            if state.needs_sampling and seq_lens[i] == len(state.token_ids):
+            num_drafts = len(spec.get(order[i], ()))
+            if state.needs_sampling and seq_lens[i] == len(state.token_ids) + num_drafts:
                 sample_ids.append(order[i])
-                logits_indices.append(int(query_start_loc[i + 1]) - 1)
+                end = int(query_start_loc[i + 1])
+                logits_indices.extend(range(end - 1 - num_drafts, end))  # the last real token and each draft
 
         def to_device(array, dtype=torch.int64) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)

@@ -38,27 +38,31 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        raw_logprobs, logits = self.process(logits, rows)
+        tokens = self._sample(logits, rows).tolist()
+        return [self.sampled_token(raw_logprobs, i, row, token) for i, (row, token) in enumerate(zip(rows, tokens))]
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw logprobs where any row asks for logprobs, else None; the logits after penalties
+        and masks), the two things sampling and speculative verification start from."""
         logits = logits.float()
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         logits = self._apply_penalties(logits, rows)
-        logits = self._apply_masks(logits, rows)
-        token_ids = self._sample(logits, rows)
-        tokens = token_ids.tolist()
-        out = []
-        for i, (row, token) in enumerate(zip(rows, tokens)):
-            if not want_logprobs[i]:
-                out.append(SampledToken(token, None, 0))
-                continue
-            row_logprobs = raw_logprobs[i]
-            logprob = row_logprobs[token]
-            rank = int((row_logprobs > logprob).sum()) + 1
-            top: list[tuple[int, float]] = []
-            if row.params.logprobs:
-                values, ids = row_logprobs.topk(row.params.logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
-            out.append(SampledToken(token, float(logprob), rank, top))
-        return out
+        return raw_logprobs, self._apply_masks(logits, rows)
+
+    @staticmethod
+    def sampled_token(raw_logprobs: torch.Tensor | None, i: int, row: SamplingRow, token: int) -> SampledToken:
+        """Row i's token, with its logprob, rank and top-N when the row asks for them."""
+        if row.params.logprobs is None:
+            return SampledToken(token, None, 0)
+        row_logprobs = raw_logprobs[i]
+        logprob = row_logprobs[token]
+        rank = int((row_logprobs > logprob).sum()) + 1
+        top: list[tuple[int, float]] = []
+        if row.params.logprobs:
+            values, ids = row_logprobs.topk(row.params.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return SampledToken(token, float(logprob), rank, top)
 
     # -- processors -------------------------------------------------------------------
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from baton.services.engine.api.sampling_params import SamplingParams
 from baton.services.engine.execution.sampler import Sampler, SamplingRow
+from testlib.chi_square import chi_square_sf
 
 VOCAB = 12
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.2, -2.0])
@@ -51,10 +50,7 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     n = counts.sum().item()
     observed, exp = counts[support].double(), expected[support] * n
     stat = ((observed - exp) ** 2 / exp).sum().item()
-    dof = int(support.sum()) - 1
-    # Wilson-Hilferty approximation of the chi-square upper tail.
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+    return chi_square_sf(stat, int(support.sum()) - 1)
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,24 @@ def test_a_killed_rank_is_an_error_not_a_hang(ray_cluster, llama_dir):
         llm.generate(["after the kill"], SamplingParams(max_tokens=4))
     assert time.monotonic() - start < 30
     assert executor.ranks == [] and executor.placement_group is None  # resources released
+
+
+def test_speculative_decoding_over_tp2_equals_plain_tp1(ray_cluster, llama_dir):
+    """The drafts go to every rank in the step's SchedulerOutput; rank 0 verifies them."""
+    prompts = ["a b c a b c a b c", "1 2 3 4 1 2 3 4 1 2", "hello hello hello"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    single = LLM(model=str(llama_dir), num_kv_blocks=64).generate(prompts, params)
+    tp = LLM(
+        model=str(llama_dir),
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+    )
+    try:
+        outputs = tp.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in single]
+        assert tp.core.speculator.stats.num_accepted_tokens > 0
+        tp.core.check_integrity()
+    finally:
+        tp.shutdown()

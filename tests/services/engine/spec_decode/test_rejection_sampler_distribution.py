@@ -25,27 +25,11 @@ import torch
 from baton.services.engine.api.sampling_params import SamplingParams
 from baton.services.engine.execution.sampler import Sampler
 from baton.services.engine.spec_decode.rejection_sampler import DraftBatch, RejectionSampler
+from testlib.chi_square import chi_square_sf
 
 SIGNIFICANCE = 1e-4
 NUM_TRIALS = 40_000
 VOCAB = 6
-
-
-def chi_square_sf(stat: float, dof: int) -> float:
-    """P(X >= stat) for X ~ chi-square(dof): the closed forms for even and odd dof."""
-    half = stat / 2
-    if dof % 2 == 0:
-        term = total = math.exp(-half)
-        for i in range(1, dof // 2):
-            term *= half / i
-            total += term
-        return total
-    total = math.erfc(math.sqrt(half))
-    term = math.exp(-half) * math.sqrt(half) * 2 / math.sqrt(math.pi)  # e^-h h^(1/2) / Gamma(3/2)
-    for i in range(1, (dof + 1) // 2):
-        total += term
-        term *= half / (i + 0.5)
-    return total
 
 
 def goodness_of_fit(samples: torch.Tensor, expected: torch.Tensor) -> float:

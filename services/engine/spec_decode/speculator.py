@@ -1,0 +1,81 @@
+"""Which requests speculate each step, with which drafts, and how well it pays.
+
+After a step, every running request that decodes next gets up to k drafts from the
+proposer (n-gram prompt lookup over its own tokens). The scheduler schedules them behind
+the request's last sampled token; the model runner verifies them (spec_decode/verify.py);
+`record` then counts what the target accepted.
+
+Requests that do not speculate: beam search (its beams advance one token per step together),
+structured output (drafts are not yet masked by the grammar), the prefill side of a P/D
+handover (it stops at the first token), and the shared-prefix request of an n > 1 group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..config import SpeculativeConfig
+from ..core.request import Request, RequestStatus
+from .ngram_proposer import NgramProposer
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Counters since the engine started (names follow vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # verification passes: one per request per step with drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification pass: the accepted drafts plus the one after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Sets `spec_token_ids` of every request that decodes next and may speculate."""
+        for request in requests:
+            room = self._room(request)
+            if room > 0:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            stats.accepted_per_position[j] += 1
+
+    def _room(self, request: Request) -> int:
+        """How many drafts the request may verify next step (0: none)."""
+        if (
+            request.status != RequestStatus.RUNNING
+            or request.num_tokens - request.num_computed_tokens != 1
+            or not request.needs_sampling
+            or request.grammar is not None
+            or request.is_prefill_side
+            or request.sampling_params.use_beam_search
+        ):
+            return 0
+        # Every draft accepted still leaves room for the token after them, within max_tokens
+        # and the context.
+        return min(
+            self.k,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )

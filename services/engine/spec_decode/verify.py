@@ -1,0 +1,61 @@
+"""Speculative verification in the model runner: the target's logits at a request's last
+token and at each of its drafts become, through the same penalties, masks and sampling
+transforms as a plain step, the distributions the rejection sampler checks the drafts against.
+
+Position j of a request with drafts d_0 .. d_{k-1} is sampled as if d_0 .. d_{j-1} were
+already its output: penalties count them, and min_tokens sees them. A request without drafts
+in the same batch is a request with k = 0, and samples exactly what the plain Sampler would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.scheduler_output import SampledToken
+from ..execution.sampler import Sampler, SamplingRow
+from .rejection_sampler import DraftBatch, RejectionSampler
+
+_rejection_sampler = RejectionSampler()
+
+
+def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
+    """The sampling rows of a request's k + 1 verified positions."""
+    rows = [row]
+    for j in range(1, len(drafts) + 1):
+        rows.append(
+            SamplingRow(row.params, row.generator, row.prompt_token_ids, [*row.output_token_ids, *drafts[:j]])
+        )
+    return rows
+
+
+def verify(
+    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]
+) -> list[list[SampledToken]]:
+    """Per request, the accepted drafts and the token after them.
+
+    logits: [sum(k_b + 1), V] request-major, each request's k_b + 1 positions in order;
+    rows: each request's row at its first position; drafts: each request's k_b drafts."""
+    flat_rows = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
+    raw_logprobs, processed = sampler.process(logits, flat_rows)
+    greedy = [row.params.is_greedy for row in rows]
+    probs = torch.softmax(processed, dim=-1)  # greedy rows: only the argmax matters
+    random_rows = [i for i, r in enumerate(flat_rows) if not r.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        probs[index] = Sampler.probabilities(processed[index], [flat_rows[i].params for i in random_rows])
+    batch = DraftBatch(
+        num_draft_tokens=[len(d) for d in drafts],
+        draft_token_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=logits.device),
+        target_probs=probs,
+        draft_probs=None,  # n-gram drafts: q is one-hot on each draft
+        is_greedy=greedy,
+        generators=[row.generator for row in rows],
+    )
+    result = _rejection_sampler(batch)
+    out, first_row = [], 0
+    for d, tokens in zip(drafts, result.token_ids):
+        out.append(
+            [Sampler.sampled_token(raw_logprobs, first_row + j, flat_rows[first_row + j], t) for j, t in enumerate(tokens)]
+        )
+        first_row += len(d) + 1
+    return out
