@@ -19,6 +19,7 @@ ops serially through `run_torch_serially_in_this_thread`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -72,9 +73,7 @@ def _gnu_openmp() -> ctypes.CDLL | None:
     if _omp is None:
         _omp = False
         if sys.platform.startswith("linux"):
-            try:
+            with contextlib.suppress(OSError):  # not loaded: torch uses another OpenMP
                 # torch has loaded it already: dlopen by soname returns that copy.
                 _omp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
-            except OSError:
-                pass
     return _omp or None

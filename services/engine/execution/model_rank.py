@@ -22,12 +22,12 @@ from ...kv_transfer.config import FaultInjection
 from ...kv_transfer.connector import KVConnector
 from ...kv_transfer.factory import create_connector
 from ...model.config import ModelArch
+from ...model.cpu_tuning import tune_malloc_for_cpu_inference
 from ...model.linear import dense_weight
 from ...model.parallel import TPGroup, backend_for_device
 from ...roles import Role
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ...model.cpu_tuning import tune_malloc_for_cpu_inference
 from .model_runner import ModelRunner
 
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20

@@ -22,9 +22,7 @@ def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
     """The sampling rows of a request's k + 1 verified positions."""
     rows = [row]
     for j in range(1, len(drafts) + 1):
-        rows.append(
-            SamplingRow(row.params, row.generator, row.prompt_token_ids, [*row.output_token_ids, *drafts[:j]])
-        )
+        rows.append(SamplingRow(row.params, row.generator, row.prompt_token_ids, [*row.output_token_ids, *drafts[:j]]))
     return rows
 
 
@@ -55,7 +53,10 @@ def verify(
     out, first_row = [], 0
     for d, tokens in zip(drafts, result.token_ids):
         out.append(
-            [Sampler.sampled_token(raw_logprobs, first_row + j, flat_rows[first_row + j], t) for j, t in enumerate(tokens)]
+            [
+                Sampler.sampled_token(raw_logprobs, first_row + j, flat_rows[first_row + j], t)
+                for j, t in enumerate(tokens)
+            ]
         )
         first_row += len(d) + 1
     return out

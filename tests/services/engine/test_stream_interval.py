@@ -63,7 +63,9 @@ async def test_samples_of_one_request_share_the_interval(every_four):
 
 
 def delta(tokens: list[int], text: str, finish: str | None = None, index: int = 0) -> RequestOutput:
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(index, text, tokens, None, None, finish)], finish is not None, 0)
+    return RequestOutput(
+        "r", None, [1, 2], [CompletionOutput(index, text, tokens, None, None, finish)], finish is not None, 0
+    )
 
 
 def test_merged_deltas_concatenate_and_keep_the_latest_state():
