@@ -17,7 +17,10 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
            cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
            baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
            baton_kv_leases_expired_total, baton_step_seconds{role},
-           baton_model_flops_utilization{role}, baton_memory_bandwidth_utilization{role}
+           baton_model_flops_utilization{role}, baton_memory_bandwidth_utilization{role},
+           baton_spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total{role}
+           (speculative decoding: verification passes, drafts verified, drafts accepted; acceptance rate =
+           accepted / draft tokens), baton_spec_decode_num_accepted_tokens_per_pos_total{role,position}
 
 Everything here is created lazily in the process that records it (Ray's metric objects
 live per process).
@@ -67,6 +70,14 @@ def _metrics() -> dict[str, Any]:
         "step_seconds": Gauge("baton_step_seconds", "Mean engine step time", role),
         "mfu": Gauge("baton_model_flops_utilization", "Model FLOPs utilisation over recent steps", role),
         "mbu": Gauge("baton_memory_bandwidth_utilization", "Memory-bandwidth utilisation over recent steps", role),
+        "spec_drafts": Counter("baton_spec_decode_num_drafts_total", "Speculative verification passes", role),
+        "spec_draft_tokens": Counter("baton_spec_decode_num_draft_tokens_total", "Draft tokens verified", role),
+        "spec_accepted": Counter("baton_spec_decode_num_accepted_tokens_total", "Draft tokens accepted", role),
+        "spec_per_position": Counter(
+            "baton_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted by position",
+            ("role", "position"),
+        ),
     }
 
 
@@ -113,6 +124,9 @@ class _Totals:
     kv_recv_failed: int = 0
     kv_recv_ok: int = 0
     kv_leases_expired: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 _COUNTERS = {
@@ -123,6 +137,9 @@ _COUNTERS = {
     "kv_recv_failed": "kv_failures",
     "kv_recv_ok": "kv_transfers",
     "kv_leases_expired": "leases_expired",
+    "spec_num_drafts": "spec_drafts",
+    "spec_num_draft_tokens": "spec_draft_tokens",
+    "spec_num_accepted_tokens": "spec_accepted",
 }
 
 
@@ -132,6 +149,7 @@ class EngineMetrics:
     def __init__(self, role: str) -> None:
         self.tags = {"role": role}
         self.last = _Totals()
+        self.last_per_position: tuple[int, ...] = ()
 
     def export(self, stats) -> None:
         m = _metrics()
@@ -148,3 +166,8 @@ class EngineMetrics:
             if now > before:
                 m[_COUNTERS[field.name]].inc(now - before, self.tags)
             setattr(self.last, field.name, now)
+        before = self.last_per_position or (0,) * len(stats.spec_accepted_per_position)
+        for position, (now, then) in enumerate(zip(stats.spec_accepted_per_position, before)):
+            if now > then:
+                m["spec_per_position"].inc(now - then, {**self.tags, "position": str(position)})
+        self.last_per_position = stats.spec_accepted_per_position

@@ -173,8 +173,18 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         step_seconds, mfu, mbu = self.step_window.utilisation(self.device_peaks)
+        spec = {}
+        if self.speculator is not None:
+            s = self.speculator.stats
+            spec = {
+                "spec_num_drafts": s.num_drafts,
+                "spec_num_draft_tokens": s.num_draft_tokens,
+                "spec_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(s.accepted_per_position),
+            }
         return EngineStats(
             **self.scheduler.stats(),
+            **spec,
             num_kv_blocks=self.num_kv_blocks,
             step_seconds=step_seconds,
             model_flops_utilization=mfu,

@@ -27,3 +27,18 @@ class EngineStats:
     step_seconds: float = 0.0  # mean over the last steps
     model_flops_utilization: float = 0.0  # MFU over the last steps (0: device peak unknown)
     memory_bandwidth_utilization: float = 0.0  # MBU over the last steps
+    # Speculative decoding, totals since start (spec_decode/speculator.py): verification
+    # passes, drafts verified, drafts accepted, and accepted drafts by position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification pass (accepted drafts + the one after them)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0

@@ -1,6 +1,7 @@
 """Disaggregated serving on a 2-node Ray cluster on one machine: prefill pinned to one node,
-decode to the other, the KV cache handed over with gloo. Outputs equal the offline engine;
-every failure of the handover still gives the right tokens and leaves no block behind."""
+decode to the other, the KV cache handed over with gloo, the decode side speculating (n-gram
+drafts). Outputs equal the offline engine without speculation; every failure of the handover
+still gives the right tokens and leaves no block behind."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 from baton.services.client import BatonClient
@@ -44,7 +46,12 @@ def config():
                 "kv_transfer": {"timeout_s": 2.0, "lease_s": 5.0, "verify": True, "allow_fault_injection": True},
             },
             "prefill": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"prefill_node": 1}}},
-            "decode": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode_node": 1}}},
+            "decode": {
+                "ray_actor_options": {"num_cpus": 0.5, "resources": {"decode_node": 1}},
+                # Speculation runs where decoding runs: every test here also checks that it
+                # leaves the decode side's greedy output unchanged.
+                "engine_overrides": {"speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+            },
         },
     )
 
@@ -233,4 +240,31 @@ def test_structured_output_survives_the_handover(client):
     texts = ["".join(r.text for r in responses if r.index == i) for i in range(3)]
     assert all(re.fullmatch(r"[a-z]{3}-[0-9]{2}", text) for text in texts), texts
     assert responses[-1].timings.kv_path == "local"
+    settle()
+
+
+def test_the_decode_side_speculates_and_streams_accepted_runs(cluster, client):
+    """Greedy through both APIs equals the offline engine without speculation; accepted runs
+    arrive as deltas of several tokens; the prefill side verifies no drafts."""
+    prompt, max_tokens = "hello hello hello", 40
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=128, max_model_len=512)
+    (expected,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    before = worker_stats(role="decode").spec_num_accepted_tokens
+    responses = collect(client, greedy_request(prompt, max_tokens))
+    assert tokens(responses) == expected.token_ids
+    assert responses[-1].timings.kv_path == "transferred"
+    assert max(len(r.token_ids) for r in responses) > 1, "an accepted run was meant to arrive as one delta"
+    body = {
+        "model": client.model_info().model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{cluster.http_address}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text
+    decode, prefill = worker_stats(role="decode"), worker_stats(role="prefill")
+    assert decode.spec_num_accepted_tokens > before and decode.spec_acceptance_rate > 0
+    assert prefill.spec_num_drafts == 0
     settle()
