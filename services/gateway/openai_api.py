@@ -144,23 +144,22 @@ class OpenAIApi:
             completion = accumulator.completion(index, requests[index // n].call.params.logprobs is not None)
             finish = openai_finish_reason(completion.finish_reason, forced_call is not None)
             if chat:
-                choices.append(
-                    {
-                        "index": index,
-                        "message": _chat_message(completion.text, forced_call),
-                        "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
-                        "finish_reason": finish,
-                    }
-                )
+                choice = {
+                    "index": index,
+                    "message": _chat_message(completion.text, forced_call),
+                    "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
+                    "finish_reason": finish,
+                }
             else:
-                choices.append(
-                    {
-                        "index": index,
-                        "text": completion.text,
-                        "finish_reason": finish,
-                        "logprobs": completion_logprobs(completion, 0),
-                    }
-                )
+                choice = {
+                    "index": index,
+                    "text": completion.text,
+                    "finish_reason": finish,
+                    "logprobs": completion_logprobs(completion, 0),
+                }
+            if body.return_token_ids:
+                choice["token_ids"] = list(completion.token_ids)
+            choices.append(choice)
         return {
             "id": response_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -183,6 +182,8 @@ class OpenAIApi:
                     "logprobs": completion_logprobs(event.completion, offsets[index]),
                     "finish_reason": openai_finish_reason(event.completion.finish_reason),
                 }
+                if body.return_token_ids:
+                    choice["token_ids"] = list(event.completion.token_ids)
                 offsets[index] += len(event.completion.text)
                 yield {
                     "id": response_id,
@@ -234,6 +235,8 @@ class OpenAIApi:
                     "logprobs": logprobs if is_last else None,
                     "finish_reason": finish if is_last else None,
                 }
+                if body.return_token_ids:  # the event's tokens go with its last chunk
+                    choice["token_ids"] = list(completion.token_ids) if is_last else []
                 yield {**base, "choices": [choice]}
             if event.finished:
                 usage = event.usage

@@ -67,6 +67,9 @@ class _SamplingFields(ConstraintFields):
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # vLLM's extension: each choice (each streamed chunk's choice) also carries its token ids,
+    # so a client counts tokens exactly when a chunk holds several.
+    return_token_ids: bool | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None

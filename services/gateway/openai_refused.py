@@ -46,7 +46,6 @@ _BOTH = {
     "prompt_logprobs": Refusal(_unset, "prompt logprobs are not supported"),
     "truncate_prompt_tokens": Refusal(_unset, "prompt truncation is not supported; shorten the prompt"),
     "return_tokens_as_token_ids": Refusal(_empty, "is not supported: tokens are returned as text"),
-    "return_token_ids": Refusal(_empty, "is not supported: the gRPC API returns token ids"),
     "spaces_between_special_tokens": Refusal(
         _true_or_unset, "false is not supported: special tokens are detokenized with spaces"
     ),

@@ -8,13 +8,16 @@ event (`stream_options.include_usage`). Two endpoints:
     chat         POST /v1/chat/completions; the prompt is one user message, so it must be
                  text (token-id workloads need --tokenizer to be decoded)
 
-Client-side token counting over HTTP is by chunk: each chunk with a choice counts as one
-token, even when its text is empty (servers stream one chunk per decoding step, and a
-token that ends mid-character has no text yet). Chat's opening chunk with the role and
-empty content counts only if the usage shows it was a token. A server that sends several
-tokens per chunk makes the count differ from its usage: the token check in the result
-reports how many requests differ, and TPOT uses the server's count. Reply token ids
-(multi-turn) come from re-tokenizing the reply with --tokenizer.
+Client-side token counting over HTTP: requests ask for `return_token_ids` (vLLM's
+extension, which Baton serves too), and a chunk whose choice carries `token_ids` counts
+that many tokens, so chunks holding several tokens (speculative decoding, a stream
+interval, a backlog merged) count exactly. From a server that ignores the field each chunk
+with a choice counts as one token, even when its text is empty (a token that ends
+mid-character has no text yet); chat's opening chunk with the role and empty content counts
+only if the usage shows it was a token. Then a server that sends several tokens per chunk
+makes the count differ from its usage: the token check in the result reports how many
+requests differ, and TPOT uses the server's count. Reply token ids (multi-turn) come from
+re-tokenizing the reply with --tokenizer.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class OpenAIHttpBackend(Backend):
             "temperature": self.sampling.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_token_ids": True,
         }
         if self.sampling.ignore_eos:
             body["ignore_eos"] = True
@@ -155,10 +159,15 @@ class OpenAIHttpBackend(Backend):
         now = time.perf_counter() - response.sent_at
         for choice in chunk.get("choices") or []:
             text = self._new_text(choice)
+            token_ids = choice.get("token_ids")
+            num_tokens = len(token_ids) if isinstance(token_ids, list) else (1 if text is not None else 0)
             if text is not None:
-                response.chunk_times_s.append(now)
-                response.chunk_num_tokens.append(1)
                 stream.texts.append(text)
+            if num_tokens:
+                response.chunk_times_s.append(now)
+                response.chunk_num_tokens.append(num_tokens)
+            elif isinstance(token_ids, list):
+                pass  # the server says this chunk holds no token (chat's role chunk)
             elif self.endpoint == "chat" and "role" in (choice.get("delta") or {}) and not response.chunk_times_s:
                 stream.role_chunk_s = now
             if choice.get("finish_reason"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from baton.services.engine.errors import EngineDeadError
@@ -96,3 +98,28 @@ def test_health_reports_503_when_workers_are_down(fake_gateway):
     assert http.get("/health").status_code == 503
     http = TestClient(build_http_app(fake_gateway()[0].openai))
     assert http.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_return_token_ids_gives_each_chunk_its_tokens(fake_gateway, chat):
+    """vLLM's extension: a client counts tokens exactly when a chunk holds several."""
+    from baton.services.gateway.openai_api import build_http_app
+    from fastapi.testclient import TestClient
+
+    gateway, _ = fake_gateway(deltas=[(0, "a", None), (0, "b", "length")])
+    client = TestClient(build_http_app(gateway.openai))
+    path, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        if chat
+        else (
+            "/v1/completions",
+            {"prompt": "hi"},
+        )
+    )
+    whole = client.post(path, json={**body, "return_token_ids": True}).json()
+    assert whole["choices"][0]["token_ids"] == [5, 5]
+    with client.stream("POST", path, json={**body, "return_token_ids": True, "stream": True}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    assert [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]] == [5, 5]
+    plain = client.post(path, json=body).json()
+    assert "token_ids" not in plain["choices"][0]

@@ -211,7 +211,6 @@ REFUSED = [
     (False, {"bad_words": ["x"]}, "bad_words"),
     (False, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (False, {"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
-    (False, {"return_token_ids": True}, "return_token_ids"),
     (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (
         False,
