@@ -228,7 +228,7 @@ class EngineCore:
             request = self.scheduler.get_request(request_id) if num_drafts else None
             if request is not None:  # None: aborted while the step ran
                 self.scheduler.settle_drafts(request, num_drafts, len(sampled) - 1)
-                self.speculator.record(num_drafts, len(sampled) - 1)
+                self.speculator.record(request_id, num_drafts, len(sampled) - 1)
             self.groups.on_sampled(request_id, sampled, now)
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

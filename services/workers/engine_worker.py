@@ -26,7 +26,7 @@ from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
-from ..serving_errors import ServerOverloadedError
+from ..serving_errors import ServerOverloadedError, quiet_rejections
 from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class EngineWorker:
         max_waiting_requests: int = 512,
         replica_id: str | None = None,
     ) -> None:
+        quiet_rejections()  # a request the engine refuses is one log line here, not Serve's traceback
         self.role = role
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests

@@ -122,8 +122,34 @@ class ModelRunner:
         spec = scheduler_output.spec_token_ids
         if not spec:
             return {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
-        drafts = [spec.get(rid, []) for rid in batch.sample_request_ids]
-        return dict(zip(batch.sample_request_ids, verify(self.sampler, logits, rows, drafts)))
+        return self._sample_and_verify(logits, batch.sample_request_ids, rows, spec)
+
+    def _sample_and_verify(
+        self, logits: torch.Tensor, request_ids: list[str], rows: list[SamplingRow], spec: dict[str, list[int]]
+    ) -> dict[str, list]:
+        """Requests with drafts go through verification (k + 1 logits rows each), the others
+        through the plain sampler (one row each), so a draft in the batch costs its own
+        request alone."""
+        plain_rows, spec_rows = [], []  # logits row indices
+        plain, speculating = [], []  # positions in request_ids
+        row = 0
+        for i, rid in enumerate(request_ids):
+            n = len(spec.get(rid, ())) + 1
+            if n == 1:
+                plain.append(i)
+                plain_rows.append(row)
+            else:
+                speculating.append(i)
+                spec_rows.extend(range(row, row + n))
+            row += n
+        out: dict[str, list] = {}
+        if plain:
+            tokens = self.sampler(logits[plain_rows], [rows[i] for i in plain])
+            out.update((request_ids[i], [token]) for i, token in zip(plain, tokens))
+        drafts = [spec[request_ids[i]] for i in speculating]
+        verified = verify(self.sampler, logits[spec_rows], [rows[i] for i in speculating], drafts)
+        out.update((request_ids[i], tokens) for i, tokens in zip(speculating, verified))
+        return {rid: out[rid] for rid in request_ids}
 
     def _hand_over(self, so: SchedulerOutput) -> None:
         """Passes the scheduler's transfer decisions to the connector, before the forward pass:
@@ -182,38 +208,52 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
         counts, spec = so.num_scheduled_tokens, so.spec_token_ids
-        # Decodes (one token) first, then prefill chunks and decodes with drafts (several
-        # query tokens each); stable within each group.
-        order = [rid for rid, n in counts.items() if n == 1] + [rid for rid, n in counts.items() if n > 1]
-        num_decodes = sum(1 for n in counts.values() if n == 1)
-        states = [self.requests[rid] for rid in order]
-        num_tokens = np.array([counts[rid] for rid in order], dtype=np.int64)
-        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        # Attention rows: decodes (one query token) first, then prefill chunks; stable within
+        # each group. A decode with drafts is one row per token (its last sampled token, then
+        # each draft, each seeing the context up to itself), so verification runs on the
+        # decode kernel rather than paying a prefill over the whole context.
+        decode_rows, prefill_rows = [], []  # (request id, state, first position, tokens)
+        for rid, n in counts.items():
+            state = self.requests[rid]
+            first = state.num_computed_tokens
+            if n == 1 or rid in spec:
+                decode_rows.extend((rid, state, first + j, 1) for j in range(n))
+            else:
+                prefill_rows.append((rid, state, first, n))
+        rows = decode_rows + prefill_rows
+        order = list(counts)
+        num_tokens = np.array([n for *_, n in rows], dtype=np.int64)
+        starts = np.array([first for _, _, first, _ in rows], dtype=np.int64)
         seq_lens = starts + num_tokens
 
         input_ids: list[int] = []
-        for rid, state, start, n in zip(order, states, starts.tolist(), num_tokens.tolist()):
-            input_ids.extend(state.token_ids[start : start + n])
-            input_ids.extend(spec.get(rid, ()))  # after the last real token: the drafts to verify
-        query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
+        for rid, state, first, n in rows:
+            if first + n <= len(state.token_ids):
+                input_ids.extend(state.token_ids[first : first + n])
+            else:  # a draft, after the request's last real token
+                input_ids.append(spec[rid][first - len(state.token_ids)])
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=query_start_loc[1:])
-        request_index = np.repeat(np.arange(len(order)), num_tokens)
-        positions = starts[request_index] + (np.arange(len(input_ids)) - query_start_loc[request_index])
+        row_index = np.repeat(np.arange(len(rows)), num_tokens)
+        positions = starts[row_index] + (np.arange(len(input_ids)) - query_start_loc[row_index])
 
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = np.zeros((len(order), max_blocks), dtype=np.int64)
-        for i, state in enumerate(states):
+        max_blocks = max(len(state.block_ids) for _, state, _, _ in rows)
+        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        for i, (_, state, _, _) in enumerate(rows):
             block_tables[i, : len(state.block_ids)] = state.block_ids
-        slots = block_tables[request_index, positions // self.block_size] * self.block_size
+        slots = block_tables[row_index, positions // self.block_size] * self.block_size
         slots += positions % self.block_size
 
+        # Each request's last query token (and its drafts' tokens) in the flat batch.
+        ends: dict[str, list[int]] = {}
+        for i, (rid, *_) in enumerate(rows):
+            ends.setdefault(rid, []).append(int(query_start_loc[i + 1]) - 1)
         sample_ids, logits_indices = [], []
-        for i, state in enumerate(states):
-            num_drafts = len(spec.get(order[i], ()))
-            if state.needs_sampling and seq_lens[i] == len(state.token_ids) + num_drafts:
-                sample_ids.append(order[i])
-                end = int(query_start_loc[i + 1])
-                logits_indices.extend(range(end - 1 - num_drafts, end))  # the last real token and each draft
+        for rid in order:
+            state, num_drafts = self.requests[rid], len(spec.get(rid, ()))
+            if state.needs_sampling and state.num_computed_tokens + counts[rid] == len(state.token_ids) + num_drafts:
+                sample_ids.append(rid)
+                logits_indices.extend(ends[rid][-1 - num_drafts :])  # the last real token and each draft
 
         def to_device(array, dtype=torch.int64) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
@@ -223,7 +263,7 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc, torch.int32),
             seq_lens=to_device(seq_lens, torch.int32),
             block_tables=to_device(block_tables, torch.int32),
-            num_decodes=num_decodes,
+            num_decodes=len(decode_rows),
             max_query_len=int(num_tokens.max()),
             max_seq_len=int(seq_lens.max()),
         )

@@ -5,6 +5,11 @@ proposer (n-gram prompt lookup over its own tokens). The scheduler schedules the
 the request's last sampled token; the model runner verifies them (spec_decode/verify.py);
 `record` then counts what the target accepted.
 
+Drafts that are rejected cost a verification pass for nothing, so a request whose drafts do
+not pay pauses: after every WINDOW drafted tokens, a request that had fewer than MIN_RATE of
+them accepted drafts nothing for COOLDOWN steps, twice as long after each further bad window
+(up to MAX_COOLDOWN), and back to COOLDOWN after a good one.
+
 Requests that do not speculate: beam search (its beams advance one token per step together),
 structured output (drafts are not yet masked by the grammar), the prefill side of a P/D
 handover (it stops at the first token), and the shared-prefix request of an n > 1 group.
@@ -18,6 +23,31 @@ from dataclasses import dataclass, field
 from ..config import SpeculativeConfig
 from ..core.request import Request, RequestStatus
 from .ngram_proposer import NgramProposer
+
+WINDOW = 8  # drafted tokens per judgement
+MIN_RATE = 0.25  # accepted / drafted below which a request pauses
+COOLDOWN = 16  # steps without drafts after a first bad window
+MAX_COOLDOWN = 256
+
+
+@dataclass(slots=True)
+class _Pacing:
+    """One request's recent drafts, and how long it pauses."""
+
+    drafted: int = 0
+    accepted: int = 0
+    paused_steps: int = 0
+    cooldown: int = COOLDOWN
+
+    def judge(self) -> None:
+        if self.drafted < WINDOW:
+            return
+        if self.accepted < MIN_RATE * self.drafted:
+            self.paused_steps = self.cooldown
+            self.cooldown = min(self.cooldown * 2, MAX_COOLDOWN)
+        else:
+            self.cooldown = COOLDOWN
+        self.drafted = self.accepted = 0
 
 
 @dataclass(slots=True)
@@ -45,15 +75,27 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
+        self._pacing: dict[str, _Pacing] = {}  # running requests only
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets `spec_token_ids` of every request that decodes next and may speculate."""
+        pacing, self._pacing = self._pacing, {}
         for request in requests:
+            pace = self._pacing[request.request_id] = pacing.get(request.request_id) or _Pacing()
             room = self._room(request)
-            if room > 0:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
+            if room <= 0:
+                continue
+            if pace.paused_steps:
+                pace.paused_steps -= 1
+                continue
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pace = self._pacing.get(request_id)
+        if pace is not None:
+            pace.drafted += num_drafts
+            pace.accepted += num_accepted
+            pace.judge()
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts

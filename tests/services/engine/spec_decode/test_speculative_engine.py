@@ -212,3 +212,30 @@ def test_sampled_token_frequencies_match_the_plain_engines(peaked_dir, sampling)
 def test_bad_speculative_config_names_the_field(llama_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=str(llama_dir), num_kv_blocks=64, **{"speculative_method": "ngram", **kwargs})
+
+
+class Junk:
+    """Drafts a token the model does not pick, every step."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        return [self.token] * 3
+
+
+def test_a_request_whose_drafts_do_not_pay_pauses_drafting(plain, llama_dir):
+    from baton.services.engine.spec_decode import speculator as policy
+
+    (expected,) = plain.generate([REPEATING[0]], greedy(96))
+    junk = next(t for t in range(3, 1000) if t not in expected.token_ids)
+    engine = LLM(model=str(llama_dir), num_kv_blocks=512, **SPEC)
+    engine.core.speculator.proposer = Junk(junk)
+    (output,) = engine.generate([REPEATING[0]], greedy(96))
+    assert output.token_ids == expected.token_ids
+    stats = engine.core.speculator.stats
+    assert stats.num_accepted_tokens == 0
+    # Windows of 8 drafted tokens (3 passes of 3), then pauses of 16, 32, 64 steps: about 4
+    # windows in 96 steps, where drafting every step would make 95 passes.
+    windows = -(-policy.WINDOW // 3)
+    assert stats.num_drafts <= 4 * windows, stats

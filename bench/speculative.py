@@ -1,0 +1,189 @@
+"""Speculative decoding (n-gram drafts) against the same engine without it, one run.
+
+    python bench/speculative.py [--quick] [--k 3]
+
+TPOT at concurrency 1 (requests one at a time) and 8 (eight at once), speculative vs not, on
+the same requests, the two engines alternating run after run; each TPOT is the mean over
+the run's requests of (finish - first token) / (tokens - 1), and the headline per mode is its
+fastest run (other work on a shared machine only ever adds time). Beside each speedup: the
+acceptance rate (accepted / verified drafts) and the mean acceptance length (tokens emitted
+per verification pass).
+
+Random models accept almost nothing: the bench model's greedy output never repeats an
+n-gram in 256 tokens, so n-gram lookup finds nothing to draft. The workloads:
+
+  cycle     a copy of the bench model whose layers add nothing to the residual stream
+            (o_proj and down_proj zeroed; compute per step unchanged) and whose LM head
+            maps each token to its successor on a fixed permutation of 32-token cycles, so
+            greedy output walks a cycle: after one lap every draft is right. The ceiling.
+  cycle-T   the same model with its LM head scaled down, sampled at temperature 1: the
+            successor is drawn with probability ~0.7, and a miss leaves the cycle for
+            another one (drafts then wait for the next lap). Partial acceptance.
+  random    the bench model, random prompts: no n-gram matches, no drafts: the cost of
+            looking for them.
+  reject    the bench model with one-token lookups (prompt_lookup_min 1) over 512-token
+            random prompts: nearly every step verifies drafts and nearly all are rejected.
+            The worst case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from baton.services.engine import LLM, SamplingParams
+from common import REPO, bench_model
+from safetensors.torch import load_file, save_file
+
+OUT = REPO / ".baton" / "bench-speculative"
+CYCLE = 32
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: Path
+    prompts: list[list[int]]
+    params: SamplingParams
+    lookup: tuple[int, int]  # prompt_lookup_min, prompt_lookup_max
+
+
+def cyclic_model(dst: Path, logit_scale: float, seed: int = 0) -> Path:
+    """The bench model made to walk fixed 32-token cycles (see the module docstring)."""
+    if (dst / "model.safetensors").exists():
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(bench_model(), dst)
+    weights = load_file(dst / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    embed = weights["model.embed_tokens.weight"]
+    order = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))
+    successor = torch.empty(embed.shape[0], dtype=torch.long)
+    for start in range(0, embed.shape[0], CYCLE):
+        cycle = order[start : start + CYCLE]
+        successor[cycle] = torch.roll(cycle, -1)
+    lm_head = torch.empty_like(weights["lm_head.weight"])
+    lm_head[successor] = embed * logit_scale  # the logit of succ(x) peaks when the hidden state is x
+    weights["lm_head.weight"] = lm_head
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 8000) for _ in range(length)] for _ in range(num)]
+
+
+def workloads(quick: bool) -> list[Workload]:
+    n_out = 64 if quick else 128
+    greedy = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=n_out, temperature=1.0, ignore_eos=True, seed=0)
+    num = 8
+    return [
+        Workload("cycle", cyclic_model(OUT / "cycle", 1.0), random_prompts(num, 128, 1), greedy, (2, 5)),
+        Workload("cycle-T", cyclic_model(OUT / "cycle-t", 0.24), random_prompts(num, 128, 2), sampled, (2, 5)),
+        Workload("random", bench_model(), random_prompts(num, 128, 3), greedy, (2, 5)),
+        Workload("reject", bench_model(), random_prompts(num, 512, 4), greedy, (1, 3)),
+    ]
+
+
+def tpot(outputs) -> float:
+    per_request = [
+        (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+        for o in outputs
+        if len(o.token_ids) > 1
+    ]
+    return statistics.mean(per_request)
+
+
+def run(llm: LLM, workload: Workload, concurrency: int) -> tuple[float, list[list[int]]]:
+    """Mean TPOT over the workload's requests, `concurrency` at a time; and the outputs."""
+    params = [
+        SamplingParams(**{**_fields(workload.params), "seed": i if workload.params.seed is not None else None})
+        for i in range(len(workload.prompts))
+    ]
+    tpots, tokens = [], []
+    for start in range(0, len(workload.prompts), concurrency):
+        outs = llm.generate(workload.prompts[start : start + concurrency], params[start : start + concurrency])
+        tpots.append(tpot(outs) * len(outs))
+        tokens.extend(o.token_ids for o in outs)
+    return sum(tpots) / len(workload.prompts), tokens
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "ignore_eos": params.ignore_eos,
+        "seed": params.seed,
+    }
+
+
+def bench(workload: Workload, k: int, runs: int) -> None:
+    common = dict(num_kv_blocks=4096, num_threads=2, max_model_len=2048)
+    plain = LLM(model=str(workload.model), **common)
+    lo, hi = workload.lookup
+    spec = LLM(
+        model=str(workload.model),
+        speculative_method="ngram",
+        num_speculative_tokens=k,
+        prompt_lookup_min=lo,
+        prompt_lookup_max=hi,
+        **common,
+    )
+    for llm in (plain, spec):  # warm-up
+        llm.generate(workload.prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for concurrency in (1, 8):
+        stats = spec.core.speculator.stats
+        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        times: dict[str, list[float]] = {"plain": [], "spec": []}
+        outputs = {}
+        for _ in range(runs):
+            for name, llm in (("plain", plain), ("spec", spec)):
+                t, outputs[name] = run(llm, workload, concurrency)
+                times[name].append(t)
+        drafts = stats.num_drafts - before[0]
+        draft_tokens, accepted = stats.num_draft_tokens - before[1], stats.num_accepted_tokens - before[2]
+        rate = accepted / draft_tokens if draft_tokens else 0.0
+        length = 1 + accepted / drafts if drafts else 1.0
+        same = "greedy outputs equal" if workload.params.is_greedy else "sampled"
+        if workload.params.is_greedy:
+            assert outputs["plain"] == outputs["spec"], "speculative greedy output differs from the plain engine's"
+        best_plain, best_spec = min(times["plain"]), min(times["spec"])
+        ratios = [s / p for s, p in zip(times["spec"], times["plain"])]
+        print(
+            f"{workload.name:8} conc {concurrency}: TPOT plain {best_plain * 1e3:6.2f} ms, spec {best_spec * 1e3:6.2f} ms"
+            f" -> {best_spec / best_plain:5.2f}x (median paired {statistics.median(ratios):5.2f}x);"
+            f" acceptance {rate:4.2f}, mean acceptance length {length:4.2f},"
+            f" {draft_tokens / max(runs, 1):7.0f} drafts/run; {same}",
+            flush=True,
+        )
+    plain.core.shutdown()
+    spec.core.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter outputs, one run per mode")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--runs", type=int, default=3, help="runs per mode (alternating)")
+    parser.add_argument("--only", nargs="*", default=None, help="workload names")
+    args = parser.parse_args()
+    start = time.monotonic()
+    for workload in workloads(args.quick):
+        if args.only and workload.name not in args.only:
+            continue
+        bench(workload, args.k, 1 if args.quick else args.runs)
+    print(f"total {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
