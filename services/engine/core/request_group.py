@@ -215,7 +215,8 @@ class RequestGroups:
         return finished
 
     def grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Allowed next tokens of each constrained request that samples in this step."""
+        """Allowed next tokens of each constrained request that samples in this step: one
+        row, or with drafts one row per verified position."""
         if not self.num_constrained:
             return {}  # the common step: nothing to look at
         masks = {}
@@ -227,7 +228,8 @@ class RequestGroups:
                 and request.needs_sampling
                 and request.num_computed_tokens >= request.num_tokens
             ):
-                masks[request_id] = request.grammar.fill_bitmask()
+                drafts = scheduler_output.spec_token_ids.get(request_id)
+                masks[request_id] = request.grammar.fill_bitmasks(drafts) if drafts else request.grammar.fill_bitmask()
         return masks
 
     def fork_completed_prefixes(self) -> None:

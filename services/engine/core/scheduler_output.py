@@ -57,8 +57,8 @@ class SchedulerOutput:
     kv_leases_removed: list[str] = field(default_factory=list)
     # Decode side: prompts whose K/V to fetch into already allocated blocks.
     kv_recvs: list[KVRecvTask] = field(default_factory=list)
-    # Structured output: the allowed next tokens (int32 bitmask row) of each constrained
-    # request that samples this step.
+    # Structured output: the allowed next tokens (int32 bitmask rows) of each constrained
+    # request that samples this step: [1, words], or [k + 1, words] with k drafts.
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
     # Speculative decoding: the draft tokens each request verifies this step. Its scheduled
     # tokens are its last sampled token followed by these.

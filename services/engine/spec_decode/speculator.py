@@ -10,9 +10,14 @@ not pay pauses: after every WINDOW drafted tokens, a request that had fewer than
 them accepted drafts nothing for COOLDOWN steps, twice as long after each further bad window
 (up to MAX_COOLDOWN), and back to COOLDOWN after a good one.
 
+Structured output: drafts are cut at the first token the request's grammar refuses, and
+each verified position is masked by the grammar state after the drafts before it
+(RequestGrammar.fill_bitmasks looks ahead and rolls the matcher back; the tokens accepted
+in the end advance it for real).
+
 Requests that do not speculate: beam search (its beams advance one token per step together),
-structured output (drafts are not yet masked by the grammar), the prefill side of a P/D
-handover (it stops at the first token), and the shared-prefix request of an n > 1 group.
+the prefill side of a P/D handover (it stops at the first token), and the shared-prefix
+request of an n > 1 group.
 """
 
 from __future__ import annotations
@@ -88,7 +93,10 @@ class Speculator:
             if pace.paused_steps:
                 pace.paused_steps -= 1
                 continue
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
+            drafts = self.proposer.propose(request.all_token_ids)[:room]
+            if request.grammar is not None and drafts:
+                drafts = request.grammar.valid_drafts(drafts)  # a draft the grammar refuses can never be accepted
+            request.spec_token_ids = drafts
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         pace = self._pacing.get(request_id)
@@ -109,7 +117,6 @@ class Speculator:
             request.status != RequestStatus.RUNNING
             or request.num_tokens - request.num_computed_tokens != 1
             or not request.needs_sampling
-            or request.grammar is not None
             or request.is_prefill_side
             or request.sampling_params.use_beam_search
         ):

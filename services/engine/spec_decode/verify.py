@@ -19,11 +19,19 @@ _rejection_sampler = RejectionSampler()
 
 
 def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
-    """The sampling rows of a request's k + 1 verified positions."""
-    rows = [row]
-    for j in range(1, len(drafts) + 1):
-        rows.append(SamplingRow(row.params, row.generator, row.prompt_token_ids, [*row.output_token_ids, *drafts[:j]]))
-    return rows
+    """The sampling rows of a request's k + 1 verified positions. A constrained request's
+    bitmask has one row per position (RequestGrammar.fill_bitmasks)."""
+    masks = row.grammar_bitmask
+    return [
+        SamplingRow(
+            row.params,
+            row.generator,
+            row.prompt_token_ids,
+            [*row.output_token_ids, *drafts[:j]],
+            None if masks is None else masks[j : j + 1],
+        )
+        for j in range(len(drafts) + 1)
+    ]
 
 
 def verify(

@@ -38,3 +38,38 @@ class RequestGrammar:
         """This request's row of allowed next tokens (reused: the step reads it at once)."""
         self._matcher.fill_next_token_bitmask(self.bitmask)
         return self.bitmask
+
+    # -- speculative decoding: look ahead through drafts, then roll back ------------------
+
+    def valid_drafts(self, draft_token_ids: Sequence[int]) -> list[int]:
+        """The longest prefix of the drafts the grammar allows in order, up to and including
+        a token that completes it; the matcher is left as it was."""
+        valid: list[int] = []
+        for token_id in draft_token_ids:
+            if not self._matcher.accept_token(token_id):
+                break
+            valid.append(token_id)
+            if self._matcher.is_terminated():
+                break
+        if valid:
+            self._matcher.rollback(len(valid))
+        return valid
+
+    def fill_bitmasks(self, draft_token_ids: Sequence[int]) -> torch.Tensor:
+        """[k + 1, words] allowed tokens at the next position and after each of the k drafts
+        (which `valid_drafts` has checked); the matcher is left as it was. The row after a
+        draft that completes the grammar allows everything: the request ends at that draft
+        if it is accepted, so nothing sampled there is kept."""
+        masks = torch.zeros((len(draft_token_ids) + 1, self.bitmask.shape[1]), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(masks, 0)
+        accepted = 0
+        for j, token_id in enumerate(draft_token_ids, start=1):
+            if not self._matcher.accept_token(token_id):
+                raise ValueError(f"draft token {token_id} at position {j - 1} is not allowed by the grammar")
+            accepted += 1
+            if self._matcher.is_terminated():
+                masks[j] = -1  # every bit set
+            else:
+                self._matcher.fill_next_token_bitmask(masks, j)
+        self._matcher.rollback(accepted)
+        return masks
