@@ -6,17 +6,22 @@ prefix      32 requests sharing a 90% prefix, arriving together: mean TTFT with 
             caching vs without.
 chunked     a decode-heavy batch plus one long prompt: decode TPOT p99 with chunked
             prefill vs without.
+async       16 streams (128 -> 256 tokens) through AsyncLLM, whose engine thread runs the
+            step loop beside the caller's event loop (what a serving replica does), vs the
+            same requests through LLM.generate in static batches of 16: output tokens/s.
 
-  python bench/engine.py [throughput|prefix|chunked|all] [--quick]
+  python bench/engine.py [throughput|prefix|chunked|async|all] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import random
 import time
 
 import torch
-from baton.services.engine import LLM, RequestOutputKind, SamplingParams
+from baton.services.engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine_core import EngineCore
 from baton.services.model.linear import linear, pack_weight_for_cpu
@@ -171,12 +176,53 @@ def bench_chunked(quick: bool) -> None:
     print(f"p99 ratio chunked / unchunked: {percentile(with_chunks, 99) / percentile(without, 99):.2f}x")
 
 
+def bench_async(quick: bool) -> None:
+    model_dir, concurrency = str(bench_model()), 16
+    rng = random.Random(0)
+    num = 16 if quick else 48
+    prompts = [[rng.randrange(10, 8000) for _ in range(128)] for _ in range(num)]
+    params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=16384, max_num_seqs=64, max_model_len=2048, num_threads=2)
+
+    llm = LLM(model=model_dir, **kwargs)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))
+    start = time.perf_counter()
+    for i in range(0, num, concurrency):
+        llm.generate(prompts[i : i + concurrency], params)
+    offline = num * 256 / (time.perf_counter() - start)
+    llm.core.shutdown()
+
+    async def streams() -> float:
+        engine = AsyncLLM.from_kwargs(model_dir, **kwargs)
+        async for _ in engine.generate("warm", prompts[0], SamplingParams(max_tokens=2)):
+            pass
+        queue = list(range(num))
+
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
+                async for _ in engine.generate(f"r{i}", prompts[i], params):
+                    pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*[client() for _ in range(concurrency)])
+        elapsed = time.perf_counter() - start
+        engine.shutdown()
+        return num * 256 / elapsed
+
+    streamed = asyncio.run(streams())
+    print(f"{num} requests 128 -> 256, {concurrency} at a time, 2 torch threads")
+    print(f"LLM.generate, static batches: {offline:7.1f} tok/s")
+    print(f"AsyncLLM, 16 streams:         {streamed:7.1f} tok/s  ({streamed / offline:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", nargs="?", default="all", choices=["throughput", "prefix", "chunked", "all"])
+    parser.add_argument("which", nargs="?", default="all", choices=["throughput", "prefix", "chunked", "async", "all"])
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     args = parser.parse_args()
-    for name, fn in (("throughput", bench_throughput), ("prefix", bench_prefix), ("chunked", bench_chunked)):
+    benches = (("throughput", bench_throughput), ("prefix", bench_prefix), ("chunked", bench_chunked))
+    for name, fn in (*benches, ("async", bench_async)):
         if args.which in (name, "all"):
             print(f"== {name}")
             fn(args.quick)

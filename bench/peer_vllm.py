@@ -354,6 +354,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a much smaller smoke version")
     parser.add_argument("--runs", type=int, default=None, help="offline/prefix runs per engine (default 3; quick 1)")
     parser.add_argument("--rounds", type=int, default=1, help="serving rounds (servers alternate per round)")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
+    )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
     modes = {"setup": setup, "offline": offline, "prefix": prefix, "serving": serving}

@@ -73,13 +73,15 @@ METRICS = (
 )
 
 
-def baton_config(path: Path, http_port: int) -> Path:
+def baton_config(path: Path, http_port: int, stream_interval: int = 1) -> Path:
     config = yaml.safe_load((REPO / "configs" / "local-colocated.yaml").read_text())
     config["server"].update(http_host="127.0.0.1", http_port=http_port, grpc_port=free_port())
     engine = config["engine"]
     engine["model"].update(served_model_name=MODEL_NAME, max_model_len=LIMITS["max_model_len"])
     engine["cache"].update(num_kv_blocks=16384, enable_prefix_caching=True)
-    engine["scheduler"].update(max_num_seqs=LIMITS["max_num_seqs"], max_num_batched_tokens=2048)
+    engine["scheduler"].update(
+        max_num_seqs=LIMITS["max_num_seqs"], max_num_batched_tokens=2048, stream_interval=stream_interval
+    )
     engine["runner"] = {"num_threads": 2}
     config["colocated"]["ray_actor_options"] = {"num_cpus": 2}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,23 +89,31 @@ def baton_config(path: Path, http_port: int) -> Path:
     return path
 
 
-def server_command(server: str, port: int, run_dir: Path) -> tuple[list[str], dict[str, str] | None]:
+def server_command(
+    server: str, port: int, run_dir: Path, stream_interval: int = 1
+) -> tuple[list[str], dict[str, str] | None]:
     model = str(bench_model())
     if server == "baton":
-        config = baton_config(run_dir / "baton.yaml", port)
+        config = baton_config(run_dir / "baton.yaml", port, stream_interval)
         return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5"], None
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     cmd = [str(VPY), str(WORKER), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    cmd += [*flags, "--served-model-name", MODEL_NAME, "--enable-prefix-caching"]
+    cmd += [
+        *flags,
+        "--served-model-name",
+        MODEL_NAME,
+        "--enable-prefix-caching",
+        f"--stream-interval={stream_interval}",
+    ]
     return [*cmd, "--enable-prompt-tokens-details"], vllm_env()  # cached tokens in usage, as Baton
 
 
 class Server:
     """One server process in a session of its own (so every process it starts can be found)."""
 
-    def __init__(self, name: str, run_dir: Path) -> None:
+    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1) -> None:
         self.name, self.port = name, free_port()
-        cmd, env = server_command(name, self.port, run_dir)
+        cmd, env = server_command(name, self.port, run_dir, stream_interval)
         self.log = run_dir / f"{name}-server.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
@@ -183,9 +193,9 @@ def load_with_retry(server: Server, load: Load, n: int, seed: int, out: Path) ->
     return result
 
 
-def serve_and_load(name: str, round_dir: Path, quick: bool, seed: int) -> dict[str, Any]:
+def serve_and_load(name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
-    server = Server(name, round_dir)
+    server = Server(name, round_dir, stream_interval)
     try:
         ready_s = server.wait_ready()
         print(f"  {name} ready in {ready_s:.1f} s on {server.url}", flush=True)
@@ -269,7 +279,7 @@ def run_serving(args, save) -> None:
         order = ("baton", "vllm") if i % 2 == 0 else ("vllm", "baton")
         seed = 31 + 10 * i
         print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}, seeds {seed}-{seed + len(LOADS)}", flush=True)
-        rounds.append({name: serve_and_load(name, round_dir, args.quick, seed) for name in order})
+        rounds.append({name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval) for name in order})
         print_round(i, rounds[-1])
     ratios = summary(rounds)
     print_summary(ratios)
