@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 PROTO_SRC := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-structured-output bench-serving bench-peer clean
+.PHONY: setup protos serve test test-fast lint format bench bench-engine bench-tp bench-kv-transfer bench-router bench-structured-output bench-speculative bench-serving bench-peer clean
 
 setup: $(STAMP) protos
 
@@ -59,6 +59,9 @@ bench-router: setup
 
 bench-structured-output: setup
 	$(BIN)/python bench/structured_output.py
+
+bench-speculative: setup
+	$(BIN)/python bench/speculative.py
 
 # Whole-service comparisons (local Ray + Redis per configuration; several minutes each).
 bench-serving: setup

@@ -57,21 +57,13 @@ class _Pacing:
 
 @dataclass(slots=True)
 class SpecDecodeStats:
-    """Counters since the engine started (names follow vLLM's spec_decode_* metrics)."""
+    """Counters since the engine started (names follow vLLM's spec_decode_* metrics); the
+    rates derived from them are EngineStats.spec_acceptance_rate and _mean_acceptance_length."""
 
     num_drafts: int = 0  # verification passes: one per request per step with drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position j
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verification pass: the accepted drafts plus the one after them."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class Speculator:
