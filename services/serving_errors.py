@@ -51,6 +51,11 @@ class MalformedRequestError(ValueError):
     message of its type): 400 / INVALID_ARGUMENT with no one field to name."""
 
 
+class UnauthenticatedError(PermissionError):
+    """No API key, a malformed authorization header, or a key the server does not know (401);
+    the message never quotes the key."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorStatus:
     grpc_code: grpc.StatusCode
@@ -85,6 +90,8 @@ def status_of(error: BaseException) -> ErrorStatus:
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", ENGINE_STOPPED)
     if isinstance(cause, NoHealthyWorkersError):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", str(cause))
+    if isinstance(cause, UnauthenticatedError):
+        return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", str(cause))
     if isinstance(cause, NotFoundError):
         return ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error", str(cause))
     if isinstance(cause, TimeoutError):
