@@ -6,7 +6,7 @@ the role's `engine_overrides` merged in) and the worker-side router settings. Cr
 checks run at load: prefill and decode share the model and block size, and tensor
 parallelism must divide the model's heads (checked when the model's config is read).
 
-    name, mode, server        the Serve application and its endpoints
+    name, mode, server        the Serve application, its endpoints, where API keys come from (server.auth)
     engine                    EngineConfig shared by every role (services/engine/config.py)
     gateway                   the ingress deployment (gRPC + OpenAI HTTP)
     colocated | prefill, decode   the engine deployments (mode picks which exist)
@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .engine.config import EngineConfig
+from .gateway.api_keys import AuthConfig
 from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
 
@@ -44,6 +45,10 @@ class ServerConfig(BaseModel):
         description="Prometheus port of `baton serve`'s local Ray (0: pick a free one); the chart's Ray pods use 8080",
     )
     request_timeout_s: float | None = Field(None, gt=0, description="Server-side cap on one request's duration")
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig,
+        description="API keys: the environment variables and files they are read from (never the keys)",
+    )
 
 
 class ActorOptions(BaseModel):

@@ -7,7 +7,9 @@ health Check/Watch); its HTTP proxy serves the FastAPI app that `__serve_build_a
 builds on each replica. Each API module owns its mapping (`grpc_api`, `openai_api`); this
 class wires both onto one `GenerationService` and records their errors: a rejected request
 (4xx) is one log line, a server error is logged with its traceback; clients see neither the
-traceback nor internals (`serving_errors.status_of`).
+traceback nor internals (`serving_errors.status_of`). Every call is authenticated first
+(`api_keys`: the `authorization` metadata on gRPC, the header on HTTP), health checks only
+when `server.auth.protect_health` says so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
+from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
 from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
@@ -39,27 +42,32 @@ class Gateway:
         mode: str = "colocated",
         export_metrics: bool = False,
         router: str = "power_of_two",
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.mode = mode
         self.router = router  # how the engine replicas are chosen (reported by GetModelInfo)
         self.engine_client = engine_client
         self.export_metrics = export_metrics
+        self.api_keys = api_keys if api_keys is not None else ApiKeys()  # no keys: open, as before keys
         on_finished = _record_request if export_metrics else None
         self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished)
-        self.openai = OpenAIApi(self.service, engine_client, lambda error: self._failure(error, "http"))
+        self.openai = OpenAIApi(self.service, engine_client, lambda error: self._failure(error, "http"), self.api_keys)
         quiet_rejections()  # Serve's own traceback per rejected gRPC request, in this replica's log
 
     # -- gRPC: baton.v1.Inference -----------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         with self._grpc_errors(grpc_context):
+            caller = self._caller(grpc_context)
             generation = grpc_api.generation_request(grpc_api.parsed(request))
+            generation.owner = caller.owner
             num_top = generation.params.logprobs or 0
             async for event in self.service.stream(await prepare_within_context(self.service, generation)):
                 yield grpc_api.generate_response(event, num_top)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
         with self._grpc_errors(grpc_context):
+            self._caller(grpc_context)
             request = grpc_api.parsed(request)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = self.service.tokenize(request.text, add_special)
@@ -67,14 +75,22 @@ class Gateway:
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
         with self._grpc_errors(grpc_context):
+            self._caller(grpc_context)
             grpc_api.parsed(request)
             return grpc_api.model_info(
                 await self.service.model_info(), self.engine_client.roles, self.mode, self.router
             )
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:  # noqa: N802
+        """Only the key that created the request, or an admin key, aborts it; any other key
+        gets `found: false`, the answer for an id that is not running."""
         with self._grpc_errors(grpc_context):
-            return pb.AbortResponse(found=self.service.abort(grpc_api.parsed(request).request_id))
+            caller = self._caller(grpc_context)
+            request_id = grpc_api.parsed(request).request_id
+            found = self.service.abort(request_id, caller)
+            if found:
+                logger.info("request %s aborted by %s", request_id, _who(caller))
+            return pb.AbortResponse(found=found)
 
     # -- gRPC: grpc.health.v1.Health --------------------------------------------------
 
@@ -84,6 +100,8 @@ class Gateway:
         from grpc_health.v1 import health_pb2
 
         with self._grpc_errors(grpc_context):
+            if self.api_keys.protect_health:
+                self._caller(grpc_context)
             service = grpc_api.parsed(request).service
             if service not in grpc_api.served_services():
                 raise NotFoundError(f"service: {service!r} is not served here")
@@ -96,6 +114,8 @@ class Gateway:
         from grpc_health.v1 import health_pb2
 
         with self._grpc_errors(grpc_context):
+            if self.api_keys.protect_health:
+                self._caller(grpc_context)
             if grpc_api.parsed(request).service not in grpc_api.served_services():
                 yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
                 return
@@ -105,6 +125,11 @@ class Gateway:
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # noqa: N807 - Ray Serve's hook name
         return build_http_app(self.openai)
+
+    def _caller(self, grpc_context) -> Caller:
+        if not self.api_keys.is_enabled:
+            return ANONYMOUS  # without keys, as before: the metadata is not read
+        return self.api_keys.authenticate(grpc_authorization(grpc_context))
 
     def _failure(self, error: Exception, api: str) -> ErrorStatus:
         """The client's status for `error`; logs one line for a rejection, the traceback (with
@@ -130,6 +155,13 @@ class Gateway:
                 grpc_context.set_code(status.grpc_code)
                 grpc_context.set_details(status.message)
             raise
+
+
+def _who(caller: Caller) -> str:
+    """A caller as logs name it: the key's fingerprint, never the key."""
+    if caller.owner is None:
+        return "a caller without key (the server has none)"
+    return f"{'admin ' if caller.is_admin else ''}{caller.owner}"
 
 
 def _record_request(api: str, event: GenerationEvent) -> None:

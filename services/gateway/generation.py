@@ -5,7 +5,9 @@
       -> checks: sampling parameters, prompt length against the context limit
       -> EngineClient.stream(GenerateCall)  ->  RequestOutput deltas  ->  GenerationEvent
 
-Every request has an id (the client's, or a fresh one), so `abort` can reach it.
+Every request has an id (the client's, or a fresh uuid4, unguessable), so `abort` can reach
+it, and an owner (the fingerprint of the API key that sent it, `api_keys.Caller`): only that
+key or an admin key may abort it, and to any other caller it is as if no such request ran.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
 from ..serving_errors import NotFoundError
 from ..worker_calls import GenerateCall, WorkerModelInfo
+from .api_keys import ANONYMOUS, Caller
 from .engine_client import EngineClient, PlacementTrace
 from .structured_output import user_facing
 
@@ -37,6 +40,7 @@ class GenerationRequest:
     add_special_tokens: bool = True
     api: str = "grpc"  # which API it came through (a metrics label)
     constraint_field: str | None = None  # the API field params.structured_output came from
+    owner: str | None = None  # the sending key's fingerprint (None: a gateway without keys)
 
 
 @dataclass(slots=True)
@@ -45,6 +49,13 @@ class PreparedGeneration:
     arrival: float  # time.monotonic() when the gateway got the request
     api: str = "grpc"
     constraint_field: str | None = None  # names the constraint in the engine's compile errors
+    owner: str | None = None  # who may abort it (with any admin key)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    aborted: asyncio.Event  # set when aborted
+    owner: str | None  # the fingerprint of the key that created it
 
 
 @dataclass(slots=True)
@@ -78,7 +89,7 @@ class GenerationService:
         self.engine_client = engine_client
         self.on_finished = on_finished  # metrics: (api, the request's last event)
         self._model_info: WorkerModelInfo | None = None
-        self._inflight: dict[str, asyncio.Event] = {}  # request id -> set when aborted
+        self._inflight: dict[str, _InFlight] = {}  # by request id
 
     async def model_info(self) -> WorkerModelInfo:
         if self._model_info is None:
@@ -102,11 +113,13 @@ class GenerationService:
         except Exception as e:  # the template raised on these messages
             raise InvalidRequestError("messages", f"the chat template rejected the messages: {e}") from e
 
-    def abort(self, request_id: str) -> bool:
-        aborted = self._inflight.get(request_id)
-        if aborted is None:
+    def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> bool:
+        """Whether a running request had that id and `caller` may abort it; another key's
+        request answers False, as an unknown id does, so ids cannot be probed."""
+        inflight = self._inflight.get(request_id)
+        if inflight is None or not caller.may_act_on(inflight.owner):
             return False
-        aborted.set()
+        inflight.aborted.set()
         return True
 
     async def check_model(self, name: str | None) -> None:
@@ -122,7 +135,7 @@ class GenerationService:
         prompt_ids = await self._prompt_ids(request)
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         call = GenerateCall(request_id, prompt_ids, params, request.cache_salt)
-        return PreparedGeneration(call, time.monotonic(), request.api, request.constraint_field)
+        return PreparedGeneration(call, time.monotonic(), request.api, request.constraint_field, request.owner)
 
     async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[GenerationEvent]:
         call, arrival = prepared.call, prepared.arrival
@@ -130,7 +143,8 @@ class GenerationService:
         trace = PlacementTrace()
         usage = Usage(prompt_tokens=len(call.prompt_token_ids))
         first_token: float | None = None
-        aborted = self._inflight[request_id] = asyncio.Event()
+        aborted = asyncio.Event()
+        self._inflight[request_id] = _InFlight(aborted, prepared.owner)
         stream = self.engine_client.stream(call, trace)
         try:
             while True:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API mapped onto the generation service: /v1/completions and
 /v1/chat/completions (whole or as server-sent events), /v1/models, /health, and the
-FastAPI app that routes them. The request shapes and body helpers are in `openai_protocol`;
-a forced tool call's output is read back into `tool_calls` by `tool_calls`' parsers.
+FastAPI app that routes them, behind `openai_auth`'s API-key check. The request shapes and
+body helpers are in `openai_protocol`; a forced tool call's output is read back into
+`tool_calls` by `tool_calls`' parsers.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,9 +19,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..serving_errors import ErrorStatus
+from .api_keys import ApiKeys
 from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
+from .openai_auth import ApiKeyMiddleware, caller_of
 from .openai_errors import body_error, check_strings
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -41,6 +44,7 @@ class OpenAIApi:
     service: GenerationService
     engine_client: EngineClient
     record_error: Callable[[Exception], ErrorStatus]  # the gateway's logging and metrics for a failed request
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # no keys: open
 
     async def list_models(self) -> dict[str, Any]:
         info = await self.service.model_info()
@@ -58,7 +62,7 @@ class OpenAIApi:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, owner: str | None = None):
         try:
             check_strings(body)
             await self.service.check_model(body.model)
@@ -77,6 +81,7 @@ class OpenAIApi:
                         body.add_special_tokens,
                         api="http",
                         constraint_field=constraint.field if constraint else None,
+                        owner=owner,
                     ),
                 )
                 for i, p in enumerate(prompts)
@@ -88,7 +93,7 @@ class OpenAIApi:
             return await _sse(self._stream_completions(requests, params.n, response_id, body), self.record_error)
         return await self._complete(requests, params.n, response_id, body, chat=False)
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, owner: str | None = None):
         try:
             check_strings(body)
             await self.service.check_model(body.model)
@@ -107,6 +112,7 @@ class OpenAIApi:
                 body.cache_salt,
                 api="http",
                 constraint_field=constraint.field if constraint else None,
+                owner=owner,
             )
             requests = [await prepare_within_context(self.service, request)]
         except Exception as error:
@@ -256,6 +262,7 @@ _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": Ch
 def build_http_app(api: OpenAIApi) -> FastAPI:
     """The OpenAI-compatible routes, bound to one API instance (one per replica)."""
     http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment")
+    http.add_middleware(ApiKeyMiddleware, api_keys=api.api_keys, record_error=api.record_error)
 
     @http.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -281,12 +288,12 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
         return await api.health()
 
     @http.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await api.completions(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.completions(body, caller_of(request).owner)
 
     @http.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await api.chat_completions(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api.chat_completions(body, caller_of(request).owner)
 
     return http
 

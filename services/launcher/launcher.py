@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BatonConfig, load_config, read_config_file
+from ..gateway.api_keys import ApiKeys
 from ..ray_env import import_ray
 from . import console_logging
 from .local_redis import LocalRedis, free_port
@@ -252,6 +253,7 @@ def serve_forever(
     signals.install()  # until ray.init replaces them; LocalDeployment.start installs them again
     try:
         config = resolve_config(config_path, model, overrides)
+        auth = ApiKeys.from_config(config.server.auth).describe()  # the gateway reads them again, itself
         metrics_port = config.server.metrics_port or None
         check_ports_free(config.server, metrics_port)
     except PortInUse as e:
@@ -273,7 +275,7 @@ def serve_forever(
     try:
         deployment.start()
         signals.serving()
-        _print_addresses(deployment, log_file, grace_period_s)
+        _print_addresses(deployment, log_file, grace_period_s, auth)
         while not signals.wait(0.5):
             pass
     except StopRequested:
@@ -290,7 +292,7 @@ def serve_forever(
     return 0
 
 
-def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s: float) -> None:
+def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s: float, auth: str) -> None:
     config = deployment.config
     print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
     print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
@@ -298,6 +300,7 @@ def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s
         print(f"Redis {deployment.redis.url}   (local)")
     print(f"Metrics {deployment.metrics_address}   (Prometheus)")
     print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
+    print(f"Auth  {auth}")
     print(
         f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
         flush=True,

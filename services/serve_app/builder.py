@@ -6,23 +6,39 @@ disaggregated:  gateway -> prefill (EngineWorker x P), decode (EngineWorker x D)
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import BatonConfig, Role
 from ..disaggregation.client import DisaggregatedClient
+from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
 HEALTH_CHECK_PERIOD_S = 5.0
+logger = logging.getLogger(__name__)
 
 
 class ServeGateway(Gateway):
-    """The gateway as Serve builds it: from the handles of the engine deployments."""
+    """The gateway as Serve builds it: from the handles of the engine deployments. It reads its
+    API keys itself, in its own process (environment, mounted files), so they never pass
+    through Serve's config."""
 
-    def __init__(self, workers: dict[str, Any], tokenizer_path: str, mode: str, router: str) -> None:
-        super().__init__(make_engine_client(mode, workers), tokenizer_path, mode, export_metrics=True, router=router)
+    def __init__(
+        self, workers: dict[str, Any], tokenizer_path: str, mode: str, router: str, auth: AuthConfig | None = None
+    ) -> None:
+        api_keys = ApiKeys.from_config(auth or AuthConfig())
+        logger.info("gateway: %s", api_keys.describe())
+        super().__init__(
+            make_engine_client(mode, workers),
+            tokenizer_path,
+            mode,
+            export_metrics=True,
+            router=router,
+            api_keys=api_keys,
+        )
 
 
 def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
@@ -44,7 +60,7 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options(), **stop_options
     )
     tokenizer = config.engine.model.tokenizer or config.engine.model.model
-    return gateway.bind(workers, tokenizer, config.mode, replica_choice(config))
+    return gateway.bind(workers, tokenizer, config.mode, replica_choice(config), config.server.auth)
 
 
 def replica_choice(config: BatonConfig) -> str:

@@ -174,6 +174,21 @@ def test_baton_serve_refuses_an_unknown_key_in_one_line_before_starting_anything
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
         "baton serve: error: unknown config key 'server.htp_port': server has no 'htp_port' "
-        "(it has http_host, http_port, grpc_port, metrics_port, request_timeout_s)"
+        "(it has http_host, http_port, grpc_port, metrics_port, request_timeout_s, auth)"
     ]
     assert time.monotonic() - started < 30
+
+
+def test_baton_serve_refuses_an_unreadable_api_key_file_in_one_line_before_starting_anything(tmp_path):
+    missing = tmp_path / "api-keys"
+    done = subprocess.run(
+        [sys.executable, "-m", "baton.services.cli", "serve", "--model", str(tmp_path), "--set"]
+        + [f"server.auth.api_keys_file={missing}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == [
+        f"baton serve: error: cannot read the API key file {missing}: No such file or directory"
+    ]

@@ -4,21 +4,17 @@ an in-process grpc.aio server registered the way Serve's proxy registers Baton's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import pickle
 
 import grpc
 import pytest
 from baton.services.engine.errors import InvalidRequestError
-from baton.services.gateway.grpc_servicers import (
-    MalformedMessage,
-    add_health_servicer_to_server,
-    add_inference_servicer_to_server,
-)
+from baton.services.gateway.grpc_servicers import MalformedMessage
 from baton.services.serving_errors import QuietRejections
 from baton.v1 import inference_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from testlib.grpc_inprocess import served
 
 CORRUPT = b"\xff\xff\xff"
 BAD_UTF8 = b"\x0a\x02\xc3\x28"  # field 1, a string where the request has one: two bytes that are not UTF-8
@@ -29,22 +25,6 @@ RPCS = [
     ("/baton.v1.Inference/Abort", False, "baton.v1.AbortRequest"),
     ("/grpc.health.v1.Health/Check", False, "grpc.health.v1.HealthCheckRequest"),
 ]
-
-
-@contextlib.asynccontextmanager
-async def served(servicer):
-    """An in-process grpc.aio server with Baton's services registered as Serve's proxy does;
-    yields a channel to it."""
-    server = grpc.aio.server()
-    add_inference_servicer_to_server(servicer, server)
-    add_health_servicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel
-    finally:
-        await server.stop(None)
 
 
 async def call_raw(channel, method: str, streaming: bool, data: bytes):
