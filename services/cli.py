@@ -8,7 +8,8 @@ baton bench run|compare ...                               load-test a server; co
 
 Clients find the server the same way: `--address`, else `BATON_ADDRESS`, else the ports of
 `--config` (or `BATON_CONFIG`, the file `baton serve` was started with), else the defaults
-(gRPC 127.0.0.1:9000, HTTP 8000, metrics 8080).
+(gRPC 127.0.0.1:9000, HTTP 8000, metrics 8080). They send an API key when given one:
+`--api-key`, else `BATON_API_KEY` (the environment keeps it out of `ps`).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def _status(args: argparse.Namespace) -> int:
     server = _client_server(args)
     if server is None:
         return 2
-    return print_status(server.grpc, server.application, args.metrics_address or server.metrics, args.timeout)
+    metrics_url = args.metrics_address or server.metrics
+    return print_status(server.grpc, server.application, metrics_url, args.timeout, args.api_key)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -137,6 +139,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser, application_default: 
     where.add_argument(
         "--application", default=application_default, help="Serve application name (default: the config's, baton)"
     )
+    where.add_argument("--api-key", default=None, help="API key, sent as a bearer token (default: $BATON_API_KEY)")
 
 
 def _add_serve_parser(sub) -> None:

@@ -1,9 +1,12 @@
 """A small gRPC client for Baton: `baton generate` streams through it; `baton status` asks the
-server for its model and health (gRPC) and reads its replicas and KV usage from Ray's metrics."""
+server for its model and health (gRPC) and reads its replicas and KV usage from Ray's metrics.
+An API key (the argument, else $BATON_API_KEY) goes with every call as `authorization:
+Bearer <key>` metadata."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,18 +15,32 @@ import grpc
 from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc as pb_grpc
 
+API_KEY_ENV = "BATON_API_KEY"  # the key clients send when not given one
+
+
+def call_metadata(application: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """What every call sends: Serve's `application` routing key and, with a key (`api_key`,
+    else $BATON_API_KEY), `authorization: Bearer <key>`."""
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    metadata = (("application", application),)
+    return metadata if api_key is None else (*metadata, ("authorization", f"Bearer {api_key}"))
+
 
 class BatonClient:
-    def __init__(self, address: str, application: str = "baton") -> None:
+    def __init__(self, address: str, application: str = "baton", api_key: str | None = None) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.InferenceStub(self.channel)
-        self.metadata = (("application", application),)
+        self.metadata = call_metadata(application, api_key)
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+
+    def abort(self, request_id: str) -> bool:
+        """Whether a running request of this key had that id (an admin key: of any key)."""
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata).found
 
     def close(self) -> None:
         self.channel.close()
@@ -35,7 +52,7 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    client = BatonClient(args.address, args.application)
+    client = BatonClient(args.address, args.application, args.api_key)
     try:
         for response in client.generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
             sys.stdout.write(response.text)
@@ -126,13 +143,13 @@ def read_metrics(text: str, application: str) -> ServerMetrics:
     return metrics
 
 
-def print_status(address: str, application: str, metrics_url: str, timeout_s: float) -> int:
+def print_status(address: str, application: str, metrics_url: str, timeout_s: float, api_key: str | None = None) -> int:
     """`baton status`: 1 when no Baton answers at `address`."""
     import urllib.request
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    client = BatonClient(address, application)
+    client = BatonClient(address, application, api_key)
     try:
         health = health_pb2_grpc.HealthStub(client.channel).Check(
             health_pb2.HealthCheckRequest(), metadata=client.metadata, timeout=timeout_s

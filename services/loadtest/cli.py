@@ -52,7 +52,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--application", default="baton", help="gRPC: the Serve application name")
     server.add_argument("--model", default=None, help="expected served model name (default: the server's)")
     server.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="HTTP endpoint")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="HTTP bearer token")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="API key, sent as a bearer token (default: $BATON_API_KEY; HTTP: else $OPENAI_API_KEY)",
+    )
     server.add_argument("--tokenizer", default=None, help="local tokenizer folder (HTTP: token counts, decoding)")
     server.add_argument("--vocab-size", type=int, default=None, help="random token ids are below this")
 
@@ -153,7 +157,7 @@ def build_spec(args: argparse.Namespace):
         model=args.model,
         application=args.application,
         endpoint=args.endpoint,
-        api_key=args.api_key,
+        api_key=api_key(args.api_key, args.backend),
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         sampling=SamplingOptions(args.temperature, not args.no_ignore_eos),
@@ -246,6 +250,12 @@ def _run(args: argparse.Namespace) -> int:
     print(format_summary(result))
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def api_key(flag: str | None, backend: str) -> str | None:
+    """--api-key, else $BATON_API_KEY, else (HTTP only, for other OpenAI servers) $OPENAI_API_KEY."""
+    fallback = os.environ.get("OPENAI_API_KEY") if backend == "openai" else None
+    return flag or os.environ.get("BATON_API_KEY") or fallback or None
 
 
 # -- compare -----------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ def make_backend(kind: str, address: str, **options: Any) -> Backend:
         from .grpc import GrpcBackend
 
         options.pop("endpoint", None)
-        options.pop("api_key", None)
         return GrpcBackend(address, **options)
     if kind == "openai":
         from .openai_http import OpenAIHttpBackend

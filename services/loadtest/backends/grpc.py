@@ -5,7 +5,8 @@ lengths are exact) or as text. Each streamed message carries new token ids; the 
 carries usage (prompt, completion and cached tokens) and the server's own timings (TTFT,
 KV path, workers), all recorded. Requests are spread over a few channels so one HTTP/2
 connection's stream limit does not cap concurrency. Every call sends the
-`("application", NAME)` metadata Ray Serve routes on.
+`("application", NAME)` metadata Ray Serve routes on and, with an API key,
+`("authorization", "Bearer KEY")`.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ class GrpcBackend(Backend):
         tokenizer: Any = None,
         application: str = "baton",
         num_channels: int = 4,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(address, sampling or SamplingOptions(), timeout_s, connect_timeout_s, tokenizer)
         self.metadata = (("application", application),)
+        if api_key:
+            self.metadata += (("authorization", f"Bearer {api_key}"),)
         self.application = application
         self.num_channels = num_channels
         self._channels: list[grpc.aio.Channel] = []
@@ -69,6 +73,10 @@ class GrpcBackend(Backend):
                 pb.GetModelInfoRequest(), metadata=self.metadata, timeout=self.connect_timeout_s
             )
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise BenchInputError(
+                    f"the gRPC server at {self.address} refused the call: {e.details()} (--api-key or $BATON_API_KEY)"
+                ) from e
             raise BenchInputError(
                 f"the gRPC server at {self.address} did not answer baton.v1.Inference/GetModelInfo for application "
                 f"{self.application!r} ({e.code().name}: {e.details()}). Check --application (the Serve application "
