@@ -62,6 +62,16 @@ spec:
       {{- $secret := dict "name" (include "baton.redis.secretName" $root) "key" (include "baton.redis.secretKey" $root) }}
       {{- $env = prepend $env (dict "name" (include "baton.redis.passwordEnv" $root) "valueFrom" (dict "secretKeyRef" $secret)) }}
       {{- end }}
+      {{- /* API keys: the variables config.server.auth names; a pod without the API-key entry does not start */ -}}
+      {{- with $root.Values.apiKeys.existingSecret }}
+      {{- $auth := default dict (dig "server" "auth" dict $cfg) }}
+      {{- $keys := dict "name" . "key" $root.Values.apiKeys.key }}
+      {{- $env = prepend $env (dict "name" (default "BATON_API_KEYS" (get $auth "api_keys_env")) "valueFrom" (dict "secretKeyRef" $keys)) }}
+      {{- if $root.Values.apiKeys.adminKey }}
+      {{- $adminKeys := dict "name" . "key" $root.Values.apiKeys.adminKey "optional" true }}
+      {{- $env = prepend $env (dict "name" (default "BATON_ADMIN_API_KEYS" (get $auth "admin_api_keys_env")) "valueFrom" (dict "secretKeyRef" $adminKeys)) }}
+      {{- end }}
+      {{- end }}
       env:
         {{- toYaml $env | nindent 8 }}
       {{- if gt (int $root.Values.shutdown.preStopSeconds) 0 }}
