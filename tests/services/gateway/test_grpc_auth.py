@@ -7,6 +7,7 @@ or a log line. No Ray: the gateway on an in-process grpc.aio server over a fake 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import uuid
@@ -143,20 +144,27 @@ async def test_without_keys_every_rpc_is_open_as_before(make_gateway):
         assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)).model == "tiny"
 
 
-async def test_another_keys_abort_is_refused_as_an_unknown_id_and_the_stream_goes_on(make_gateway, keys, caplog):
-    gateway = make_gateway(keys, gated=True)
-    engine = gateway.engine_client
+@contextlib.asynccontextmanager
+async def in_flight(gateway: Gateway, key: str, request_id: str):
+    """A stub to the (gated) gateway, and `key`'s Generate running with its first token out;
+    yields (stub, the stream's responses to await)."""
     async with served(gateway) as channel:
         stub = pb_grpc.InferenceStub(channel)
-        victim = asyncio.ensure_future(_drain(generate(stub, KEY_A, request_id="victim-1")))
-        await asyncio.wait_for(engine.started.wait(), 10)
-        engine.step.release()
+        stream = asyncio.ensure_future(_drain(generate(stub, key, request_id=request_id)))
+        await asyncio.wait_for(gateway.engine_client.started.wait(), 10)
+        gateway.engine_client.step.release()
+        yield stub, stream
+
+
+async def test_another_keys_abort_is_refused_as_an_unknown_id_and_the_stream_goes_on(make_gateway, keys, caplog):
+    gateway = make_gateway(keys, gated=True)
+    async with in_flight(gateway, KEY_A, "victim-1") as (stub, victim):
         with caplog.at_level(logging.DEBUG):
             other = await _abort(stub, KEY_B, "victim-1")
             unknown = await _abort(stub, KEY_B, "no-such-request")
         assert other == unknown == pb.AbortResponse(found=False)  # nothing tells the two apart
         for _ in range(NUM_TOKENS - 1):
-            engine.step.release()
+            gateway.engine_client.step.release()
         responses = await asyncio.wait_for(victim, 10)
     assert [r.text for r in responses] == ["x"] * NUM_TOKENS
     assert responses[-1].finish_reason == "length"
@@ -166,12 +174,7 @@ async def test_another_keys_abort_is_refused_as_an_unknown_id_and_the_stream_goe
 @pytest.mark.parametrize("aborter", [KEY_A, ADMIN], ids=["owner", "admin"])
 async def test_the_owner_or_an_admin_key_aborts(make_gateway, keys, aborter, caplog):
     gateway = make_gateway(keys, gated=True)
-    engine = gateway.engine_client
-    async with served(gateway) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        victim = asyncio.ensure_future(_drain(generate(stub, KEY_A, request_id="mine-1")))
-        await asyncio.wait_for(engine.started.wait(), 10)
-        engine.step.release()
+    async with in_flight(gateway, KEY_A, "mine-1") as (stub, victim):
         with caplog.at_level(logging.INFO):
             assert await _abort(stub, aborter, "mine-1") == pb.AbortResponse(found=True)
         responses = await asyncio.wait_for(victim, 10)
