@@ -26,7 +26,6 @@ from ..engine.api.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
 from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
-from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
 from .openai_api import OpenAIApi, build_http_app
@@ -62,7 +61,7 @@ class Gateway:
             generation = grpc_api.generation_request(grpc_api.parsed(request))
             generation.owner = caller.owner
             num_top = generation.params.logprobs or 0
-            async for event in self.service.stream(await prepare_within_context(self.service, generation)):
+            async for event in self.service.stream(await self.service.prepare(generation)):
                 yield grpc_api.generate_response(event, num_top)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.api.outputs import CompletionOutput
-from ..engine.api.prompt_checks import check_prompt_ids, check_prompt_text
+from ..engine.api.prompt_checks import check_prompt_ids, check_prompt_text, resolve_max_tokens
 from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
 from ..serving_errors import NotFoundError
@@ -187,6 +187,9 @@ class GenerationService:
             prompt_ids = list(request.prompt)
         info = await self.model_info()
         check_prompt_ids(prompt_ids, info.vocab_size, info.max_model_len)
+        # The context rule, before placing: a refusal costs no worker a round trip (the
+        # engine applies it again for every caller, offline ones included).
+        resolve_max_tokens(len(prompt_ids), request.params.max_tokens, info.max_model_len)
         return prompt_ids
 
     @staticmethod

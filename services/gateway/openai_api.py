@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException
 
 from ..serving_errors import ErrorStatus
 from .api_keys import ApiKeys
-from .context_limit import prepare_within_context
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
 from .openai_auth import ApiKeyMiddleware, caller_of
@@ -71,8 +70,7 @@ class OpenAIApi:
             constraint = body.constraint()
             params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
             requests = [
-                await prepare_within_context(
-                    self.service,
+                await self.service.prepare(
                     GenerationRequest(
                         p,
                         params,
@@ -114,7 +112,7 @@ class OpenAIApi:
                 constraint_field=constraint.field if constraint else None,
                 owner=owner,
             )
-            requests = [await prepare_within_context(self.service, request)]
+            requests = [await self.service.prepare(request)]
         except Exception as error:
             return self.error_response(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
