@@ -44,8 +44,14 @@ def verify(
     flat_rows = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
     raw_logprobs, processed = sampler.process(logits, flat_rows)
     greedy = [row.params.is_greedy for row in rows]
-    probs = torch.softmax(processed, dim=-1)  # greedy rows: only the argmax matters
+    # Each row once: greedy rows need only their argmax (a softmax keeps it), random rows the
+    # sampling transforms.
+    probs = torch.empty_like(processed)
+    greedy_rows = [i for i, r in enumerate(flat_rows) if r.params.is_greedy]
     random_rows = [i for i, r in enumerate(flat_rows) if not r.params.is_greedy]
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=logits.device)
+        probs[index] = torch.softmax(processed[index], dim=-1)
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         probs[index] = Sampler.probabilities(processed[index], [flat_rows[i].params for i in random_rows])
