@@ -125,6 +125,21 @@ class LocalDeployment:
     _deployed: bool = field(default=False, repr=False)
 
     def start(self) -> LocalDeployment:
+        """Starts Redis (unless configured), Ray and the application. A start that fails stops
+        what it started before raising (a caller's `with` or `finally` never sees a half-started
+        deployment); a stop signal's StopRequested is left to `baton serve`'s orderly stop."""
+        try:
+            return self._start()
+        except StopRequested:
+            raise
+        except BaseException:
+            try:
+                self.stop()
+            except Exception:  # the start's own error is the one to report
+                logger.exception("stopping after a failed start failed too")
+            raise
+
+    def _start(self) -> LocalDeployment:
         ray = import_ray()
         from ray import serve
         from ray.serve.config import gRPCOptions
@@ -211,11 +226,14 @@ class LocalDeployment:
         shutdown_serve()
 
     def stop_processes(self) -> None:
-        """Ray (every process it started: replicas, proxies, raylet, GCS) and the local Redis."""
-        if self._started_ray:
-            import_ray().shutdown()
-        if self.redis is not None:
-            self.redis.stop()
+        """Ray (every process it started: replicas, proxies, raylet, GCS) and the local Redis,
+        which stops even when Ray's shutdown fails."""
+        try:
+            if self._started_ray:
+                import_ray().shutdown()
+        finally:
+            if self.redis is not None:
+                self.redis.stop()
 
     def __enter__(self) -> LocalDeployment:
         return self.start()
@@ -297,7 +315,7 @@ def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s
     print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
     print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
     if deployment.redis is not None:
-        print(f"Redis {deployment.redis.url}   (local)")
+        print(f"Redis {deployment.redis.url}   (local, pid {deployment.redis.pid}; restarted if it dies)")
     print(f"Metrics {deployment.metrics_address}   (Prometheus)")
     print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
     print(f"Auth  {auth}")

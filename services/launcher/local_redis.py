@@ -1,18 +1,51 @@
-"""A throwaway redis-server on a free loopback port (for `baton serve` and tests)."""
+"""The local redis-server of `baton serve` (and of benchmarks): loopback only, a free port,
+no persistence, supervised for the life of the server.
+
+    start       one thread (the supervisor) starts the server and waits for PONG; a server
+                that does not come up raises here, with nothing left running
+    supervise   the same thread then blocks in wait(): a death is reaped at once (no zombie),
+                logged with its exit status, and the server started again on the same port,
+                at most `max_restarts` times per `restart_window_s`. It comes back empty: the
+                workers notice, register again and republish their blocks (worker_agent.py)
+    stop        idempotent; no restart after it, even one already under way
+
+Every server is started under `setpriv --pdeathsig TERM` where util-linux has it: the kernel
+sends it SIGTERM when the thread that started it (the supervisor) dies, so a `kill -9` of
+`baton serve`, or any exit that skips `stop`, still leaves no redis-server behind.
+"""
 
 from __future__ import annotations
 
+import collections
+import logging
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RESTARTS = 5
+DEFAULT_RESTART_WINDOW_S = 60.0
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+RETRY_DELAY_S = 0.5  # after a restart that did not come up (the port taken meanwhile, say)
 
 
 class LocalRedis:
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+        restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
+    ) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
             raise RuntimeError(
                 "redis-server was not found on PATH: install it (apt-get install redis-server) "
                 "or set router.redis.url in the config"
@@ -20,53 +53,162 @@ class LocalRedis:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.workdir),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
-            stdout=(self.workdir / "redis.log").open("w"),
-            stderr=subprocess.STDOUT,
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.num_restarts = 0  # servers started after the first
+        self.exit_statuses: list[int] = []  # of the servers that died under it (Popen.returncode)
+        self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # orders a start against a stop
+        self._stopping = threading.Event()
+        started: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._supervise, args=(started,), name=f"baton-redis-{self.port}", daemon=True
         )
-        self._wait_ready()
+        self._thread.start()
+        try:
+            started.result()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id (None once stopped or given up on)."""
+        process = self._process
+        return process.pid if process is not None and process.returncode is None else None
 
-    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "redis.log"
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after STOP_TIMEOUT_S) and the supervisor."""
+        with self._lock:
+            self._stopping.set()
+            process = self._process
+        if process is not None and process.returncode is None:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=STOP_TIMEOUT_S)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=STOP_TIMEOUT_S)
+
+    # -- the supervisor thread --------------------------------------------------------
+
+    def _supervise(self, started: Future[None]) -> None:
+        try:
+            self._start_server()
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        started.set_result(None)
+        restarts: collections.deque[float] = collections.deque()
+        while True:
+            process = self._process
+            status = process.wait()  # blocks until it dies: reaped and noticed at once
+            if self._stopping.is_set():
+                return
+            self.exit_statuses.append(status)
+            logger.warning(
+                "the local redis-server (pid %d, port %d) %s; see %s",
+                process.pid,
+                self.port,
+                describe_exit(status),
+                self.log_path,
+            )
+            now = time.monotonic()
+            while restarts and restarts[0] <= now - self.restart_window_s:
+                restarts.popleft()
+            if len(restarts) >= self.max_restarts:
+                logger.error(
+                    "the local redis-server died %d times within %g s: not starting it again "
+                    "(the router places requests by load only until Redis is back)",
+                    len(restarts) + 1,
+                    self.restart_window_s,
+                )
+                return
+            restarts.append(now)
+            try:
+                self._start_server()
+            except RuntimeError as e:
+                logger.error("the local redis-server did not come back on port %d: %s", self.port, e)
+                if self._stopping.wait(RETRY_DELAY_S):
+                    return
+                continue  # its process has exited: the next wait() returns at once and retries
+            self.num_restarts += 1
+            logger.warning(
+                "the local redis-server is back on port %d (pid %d, restart %d); it starts empty and the "
+                "workers republish their blocks",
+                self.port,
+                self._process.pid,
+                self.num_restarts,
+            )
+
+    def _start_server(self) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the local redis-server is stopping")
+            with self.log_path.open("a") as log:
+                self._process = subprocess.Popen(
+                    self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+        self._wait_ready(self._process)
+
+    def _command(self) -> list[str]:
+        server = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "yes",
+        ]  # fmt: skip
+        setpriv = shutil.which("setpriv")
+        return [setpriv, "--pdeathsig", "TERM", "--", *server] if setpriv else server
+
+    def _wait_ready(self, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start-up; see {self.workdir / 'redis.log'}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server exited at start-up ({describe_exit(process.returncode)}); see {self.log_path}"
+                )
+            if self._stopping.is_set():
+                return  # stop() ends it
+            if _answers_ping(self.port):
+                return
+            time.sleep(0.01)
+        process.kill()
+        process.wait(timeout=STOP_TIMEOUT_S)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s:g}s")
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def describe_exit(returncode: int) -> str:
+    """`exited with status 1` or `was killed by SIGKILL` (Popen's negative return codes)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
 
 
 def free_port() -> int:

@@ -106,3 +106,29 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter in /proc/<pid>/stat (R, S, Z for a zombie, ...); None once it is reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def redis_server_pids(port: int) -> list[int]:
+    """Live (not zombie) redis-server processes serving this port, found in /proc by command line
+    (redis-server retitles itself `redis-server 127.0.0.1:PORT`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        serves_port = f":{port}" in cmdline or f"--port {port} " in cmdline
+        if "redis-server" in cmdline and serves_port and process_state(int(entry.name)) not in (None, "Z"):
+            found.append(int(entry.name))
+    return found
