@@ -4,6 +4,9 @@
                                                         if the request goes on, lease its blocks
     decode side    Handover.decode(first_token_ids, kv) continue from the first token(s) with the
                                                         prompt's K/V fetched from `kv`'s worker
+    any side       Handover.resume(token_ids)           continue a request whose worker was lost
+                                                        (migration): prompt and tokens already
+                                                        streamed are recomputed here
 
 The rules that decide the handover live here and nowhere else: which requests can be split
 over two workers at all (`can_disaggregate`), and whether a prefilled request continues on a
@@ -28,6 +31,7 @@ class KVPath(enum.StrEnum):
     TRANSFERRED = "transferred"  # prefilled on one worker, its K/V received by the decode worker
     RECOMPUTED = "recomputed"  # the transfer failed or timed out: the decode worker recomputed the prompt
     LOCAL = "local"  # disaggregated deployment, but it ran whole on a decode worker (n > 1, beam search)
+    MIGRATED = "migrated"  # its worker was lost mid-stream: another one recomputed it and went on
     PREFILL_ONLY = "prefill-only"  # it ended at its first token, on the prefill worker
 
 
@@ -35,13 +39,13 @@ class KVPath(enum.StrEnum):
 class Handover:
     role: Role  # PREFILL: the producer side; DECODE: the consumer side
     first_token_ids: tuple[int, ...] = ()  # decode side: tokens the prefill worker generated
-    remote_kv: KVTransferParams | None = None  # decode side: where the prompt's K/V is
+    remote_kv: KVTransferParams | None = None  # decode side: where the prompt's K/V (None: recompute it)
 
     def __post_init__(self) -> None:
         if self.role is Role.PREFILL and (self.first_token_ids or self.remote_kv is not None):
             raise ValueError("a prefill-side handover carries no tokens and no remote K/V")
-        if self.role is Role.DECODE and (not self.first_token_ids or self.remote_kv is None):
-            raise ValueError("a decode-side handover needs the first token ids and the remote K/V")
+        if self.role is Role.DECODE and not self.first_token_ids:
+            raise ValueError("a decode-side handover needs the tokens generated before it")
         if self.role is Role.COLOCATED:
             raise ValueError("a colocated request has no handover")
 
@@ -52,6 +56,17 @@ class Handover:
     @classmethod
     def decode(cls, first_token_ids: Sequence[int], remote_kv: KVTransferParams) -> Handover:
         return cls(Role.DECODE, tuple(first_token_ids), remote_kv)
+
+    @classmethod
+    def resume(cls, token_ids: Sequence[int]) -> Handover:
+        """A migrated request: `token_ids` were streamed by a worker that is gone; this worker
+        recomputes prompt + tokens (no K/V to fetch) and continues with the same parameters,
+        the tokens counting towards max_tokens, min_tokens, penalties and the grammar."""
+        return cls(Role.DECODE, tuple(token_ids))
+
+    @property
+    def is_resume(self) -> bool:
+        return self.role is Role.DECODE and self.remote_kv is None
 
     @property
     def is_prefill(self) -> bool:

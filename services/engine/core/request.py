@@ -67,7 +67,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    kv_path: KVPath | None = None  # decode side: TRANSFERRED or RECOMPUTED once known
+    kv_path: KVPath | None = None  # decode side: TRANSFERRED or RECOMPUTED once known; MIGRATED
     # Speculative decoding: draft tokens proposed for the next step, verified there. They are
     # never in all_token_ids (nor hashed into the prefix cache) until the target accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +75,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if self.handover is not None and self.handover.is_resume:
+            self.kv_path = KVPath.MIGRATED  # recomputed here from prompt + the tokens already streamed
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -98,7 +98,7 @@ def test_the_rules():
 def test_a_handover_names_what_is_missing():
     kv = KVTransferParams("t", "w@0", (), (0,), 16, 16, 1)
     assert Handover.decode([5], kv).is_decode and Handover.prefill().is_prefill
-    with pytest.raises(ValueError, match="first token ids and the remote K/V"):
+    with pytest.raises(ValueError, match="tokens generated before it"):
         Handover(Role.DECODE, (), kv)
     with pytest.raises(ValueError, match="carries no tokens"):
         Handover(Role.PREFILL, (5,), None)
