@@ -35,6 +35,7 @@ from .spec_decode.speculator import Speculator
 from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
 from .structured_output.grammar_compiler import GrammarCompiler
+from .weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class EngineCore:
         self.device_peaks = DevicePeaks.resolve(
             self.executor.device_name, config.runner.peak_tflops, config.runner.peak_memory_tbs
         )
+        # Weight updates, pause and sleep (weight_updates.py), called between steps.
+        self.weights = WeightUpdates(self, config.model.weight_version)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -110,7 +113,11 @@ class EngineCore:
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queues a prepared request (on the thread that runs `step`); one whose grammar is
-        still compiling waits beside the scheduler until it is ready."""
+        still compiling waits beside the scheduler until it is ready. While generation is
+        paused it is held; while asleep it is refused (EngineSleepingError)."""
+        self.weights.check_accepting()
+        if self.weights.hold(prepared):
+            return
         if prepared.grammar is not None and not prepared.grammar.done():
             if self.groups.is_known(prepared.request_id) or self._is_compiling(prepared.request_id):
                 raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in use")
@@ -120,8 +127,22 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its blocks; its output says "abort"."""
+        held = self.weights.take_held(request_id)
+        if held is not None:
+            self.groups.add(held)  # registered only to end with an "abort" output like any other
         self.waiting_for_grammar = [p for p in self.waiting_for_grammar if p.request_id != request_id]
         self.groups.abort(request_id)
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (pause_generation("abort")); one still compiling its
+        grammar fails with an error, as it has no output to end."""
+        for prepared in self.waiting_for_grammar:
+            self._failures.append(
+                (prepared.request_id, InvalidRequestError("request", "aborted by pause_generation('abort')"))
+            )
+        self.waiting_for_grammar = []
+        for request_id in list(self.groups.groups):
+            self.groups.abort(request_id)
 
     def take_failures(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests refused after `submit` (their grammar failed to compile or timed out)."""
@@ -131,6 +152,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self.outputs.states) or bool(self.waiting_for_grammar)
 
+    def needs_step(self) -> bool:
+        """Whether `step` has anything to do (the async loop idles otherwise): requests to run,
+        unless paused with "keep" or asleep, or outputs to hand out."""
+        if self.weights.stashed:
+            return True
+        if not self.weights.halts_steps:
+            return self.has_unfinished_requests()
+        return any(state.touched for state in self.outputs.states.values())  # aborts while held
+
     def needs_polling(self) -> bool:
         """KV transfers in flight or leases held: steps must keep running to see them end."""
         return self.scheduler.has_kv_transfers
@@ -138,6 +168,10 @@ class EngineCore:
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.weights.halts_steps:  # paused with "keep" or asleep: only aborts report
+            self.last_step_num_tokens = 0
+            self.publish_kv_events()
+            return self.weights.stamp(self.outputs.take_outputs())
         if self.waiting_for_grammar:
             self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
@@ -161,7 +195,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running_requests())
         self.publish_kv_events()
-        return self.outputs.take_outputs()
+        return self.weights.stamp(self.outputs.take_outputs())
 
     def publish_kv_events(self) -> None:
         """Hands this step's KV events (and a snapshot, if asked for) to the publisher."""

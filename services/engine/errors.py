@@ -7,7 +7,7 @@ model package's (it raises it, below the engine); callers catch it from here too
 
 from ..model.errors import ModelLoadError
 
-__all__ = ["EngineDeadError", "InvalidRequestError", "ModelLoadError"]
+__all__ = ["EngineDeadError", "EngineSleepingError", "InvalidRequestError", "ModelLoadError"]
 
 
 class InvalidRequestError(ValueError):
@@ -24,3 +24,15 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unrecoverable error; every pending request fails."""
+
+
+class EngineSleepingError(InvalidRequestError):
+    """The engine is asleep (`sleep`) or its weights were released (sleep level 2) and no
+    update has loaded them: it refuses requests until `wake_up` (and an update). A refusal,
+    not a bad request: a serving layer may answer 503 with Retry-After rather than 400."""
+
+    def __init__(self, message: str, field: str = "engine"):
+        super().__init__(field, message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.field))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import _param, linear, pack_weight_for_cpu
+from .linear import CpuPackable, _param, linear, pack_weight_for_cpu
 from .parallel import TPGroup
 from .weights import LoadedWeight, copy_into, narrow, shape_of
 
@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embeds)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, CpuPackable):
     """logits = h W^T, each rank computing its vocabulary slice, gathered along vocab."""
 
     packed_weight: torch.Tensor | None = None  # the weight repacked for oneDNN (linear.py)
@@ -52,6 +52,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """A repacked copy: the weight itself stays dense for the embedding it may be tied to."""
         self.packed_weight = pack_weight_for_cpu(self.weight)
         return self.packed_weight is not None
+
+    def unpack_for_loading(self) -> None:
+        self.packed_weight = None  # stale once the dense weight changes; repacked after loading
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)

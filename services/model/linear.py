@@ -12,6 +12,9 @@ does not grow; `dense_weight` turns it back for whoever reads weights.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,12 +46,28 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.layout == torch._mkldnn else weight
 
 
-def process_weights_after_loading(model: nn.Module, impl: str) -> int:
+class CpuPackable(ABC):
+    """A layer whose weight may be repacked for oneDNN once loaded, and unpacked again so a
+    weight update can write into it through the same weight loader."""
+
+    @abstractmethod
+    def pack_for_cpu(self) -> bool: ...
+
+    @abstractmethod
+    def unpack_for_loading(self) -> None: ...
+
+
+def packable_modules(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(module, CpuPackable)]
+
+
+def process_weights_after_loading(model: nn.Module, impl: str, modules: Iterable[nn.Module] | None = None) -> int:
     """Repacks the linear layers' CPU weights for oneDNN (impl "auto" or "cpp"; "torch"
-    keeps the plain F.linear reference). Returns how many weights it repacked."""
+    keeps the plain F.linear reference): all of them, or just `modules` (those a weight
+    update unpacked). Returns how many weights it repacked."""
     if impl not in ("auto", "cpp"):
         return 0
-    return sum(module.pack_for_cpu() for module in model.modules() if hasattr(module, "pack_for_cpu"))
+    return sum(module.pack_for_cpu() for module in (packable_modules(model) if modules is None else modules))
 
 
 def _pack_parameter(module: nn.Module) -> bool:
@@ -59,13 +78,20 @@ def _pack_parameter(module: nn.Module) -> bool:
     return True
 
 
+def _unpack_parameter(module: nn.Module) -> None:
+    """Back to a dense parameter with its loader (the packed one has neither)."""
+    if module.weight.layout == torch._mkldnn:
+        module.weight = nn.Parameter(module.weight.to_dense(), requires_grad=False)
+        module.weight.weight_loader = module.weight_loader
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
     return total // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, CpuPackable):
     """y = x W^T + b with W's output rows split across ranks: each rank holds [out/tp, in]."""
 
     def __init__(
@@ -96,6 +122,9 @@ class ColumnParallelLinear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
+
+    def unpack_for_loading(self) -> None:
+        _unpack_parameter(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -142,7 +171,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_into(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size), f"{shard_id}_proj")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, CpuPackable):
     """y = all_reduce(x_shard W_shard^T) + b, with W's input columns split across ranks."""
 
     def __init__(
@@ -168,6 +197,9 @@ class RowParallelLinear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
+
+    def unpack_for_loading(self) -> None:
+        _unpack_parameter(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight))

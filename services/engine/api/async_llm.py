@@ -18,14 +18,18 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
+
+import torch
 
 from ..config import EngineConfig
 from ..core.kv_events import KVEventPublisher
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError, InvalidRequestError
+from ..execution.weight_sync import DEFAULT_BUCKET_BYTES
 from ..stats import EngineStats
+from ..weight_updates import PauseMode
 from .handover import Handover
 from .outputs import RequestOutput, merge_deltas
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_TICK_S = 0.25
 _POLL_TICK_S = 0.002
+_DRAIN_TICK_S = 0.005
 
 
 class RequestStream:
@@ -155,6 +160,7 @@ class AsyncLLM:
         """Validates now (raising InvalidRequestError) and returns the request's output stream.
         `handover`: which side of a P/D handover this request is (engine/api/handover.py)."""
         self._check_alive()
+        self.core.weights.check_accepting()  # asleep: refused now, not after the queue
         prepared = self.core.prepare(request_id, prompt, params, cache_salt, handover=handover)
         stream = RequestStream(request_id, self)
         with self._streams_lock:
@@ -206,6 +212,76 @@ class AsyncLLM:
         self._send(call)
         return await asyncio.wrap_future(future)
 
+    # -- weight updates, pause, sleep (engine/weight_updates.py): between steps -------
+
+    @property
+    def weight_version(self) -> str:
+        return self.core.weights.weight_version
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None, **kwargs: Any) -> str:
+        return await self.run_in_engine(lambda c: c.weights.update_weights_from_disk(path, weight_version, **kwargs))
+
+    async def update_weights_from_tensors(
+        self, named_tensors: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None, **kwargs: Any
+    ) -> str:
+        return await self.run_in_engine(
+            lambda c: c.weights.update_weights_from_tensors(named_tensors, weight_version, **kwargs)
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
+        await self.run_in_engine(
+            lambda c: c.weights.init_weights_update_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend
+            )
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        weight_version: str | None = None,
+        group_name: str | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **kwargs: Any,
+    ) -> str:
+        return await self.run_in_engine(
+            lambda c: c.weights.update_weights_from_distributed(
+                names, dtypes, shapes, weight_version, group_name, bucket_bytes, **kwargs
+            )
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.run_in_engine(lambda c: c.weights.destroy_weights_update_group(group_name))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.run_in_engine(lambda c: c.weights.reset_prefix_cache())
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Returns once the mode holds: with "wait", once every request in flight finished
+        (requests added meanwhile are held until `continue_generation`)."""
+        await self.run_in_engine(lambda c: c.weights.pause_generation(mode))
+        if mode == "wait":
+            while await self.run_in_engine(lambda c: c.has_unfinished_requests() or bool(c.weights.stashed)):
+                await asyncio.sleep(_DRAIN_TICK_S)
+
+    async def continue_generation(self) -> None:
+        await self.run_in_engine(lambda c: c.weights.continue_generation())
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.run_in_engine(lambda c: c.weights.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self.run_in_engine(lambda c: c.weights.wake_up())
+
     def stats(self) -> EngineStats:
         """Snapshot taken after the latest step (thread-safe)."""
         return self._stats
@@ -254,7 +330,7 @@ class AsyncLLM:
             while not self._stopping:
                 while self._commands:
                     self._commands.popleft()()
-                if not self.core.has_unfinished_requests() and not self.core.needs_polling():
+                if not self.core.needs_step() and not self.core.needs_polling():
                     self.core.publish_kv_events()  # an idle engine still answers snapshot requests
                     self._stats = self.core.stats()  # aborts free blocks, and warm blocks cool while idle
                     self._wakeup.wait(timeout=_IDLE_TICK_S)

@@ -57,6 +57,10 @@ class RequestOutput:
     # Decode side: how the prompt's K/V got here (TRANSFERRED | RECOMPUTED).
     kv_path: KVPath | None = None
     worker_id: str = ""  # the engine worker that produced it ("" offline)
+    # The weight version in effect when this output was produced (None: not from an engine).
+    # A request held across an update (pause mode "keep") reports the new one; its earlier
+    # tokens came from the old weights (engine/weight_updates.py).
+    weight_version: str | None = None
 
     # Shortcuts for the common single-sample case.
     @property
@@ -118,4 +122,5 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         transfer,
         last.kv_path,
         last.worker_id,
+        last.weight_version,
     )

@@ -14,12 +14,16 @@ runner performs before the forward pass).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 from .block_hash import BlockHash
 from .block_pool import BlockPool, KVCacheBlock
 from .request import Request
+
+# A request's num_cached_blocks past any table it can have: it registers no more blocks.
+_NEVER_CACHE = sys.maxsize
 
 
 def cdiv(a: int, b: int) -> int:
@@ -149,7 +153,12 @@ class KVCacheManager:
         return rewritten
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (a `cleared` event). Requests holding blocks now never
+        register more: their next full block's parent is no longer cached, and the cache
+        stays prefix-closed (it never holds a block without its parent)."""
         self.pool.reset_prefix_cache()
+        for request_id in self.req_to_blocks:
+            self.num_cached_blocks[request_id] = _NEVER_CACHE
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: reference counts equal the number of owning tables."""

@@ -263,6 +263,14 @@ class Scheduler:
 
         return self._make_output(scheduled, spec)
 
+    def preempt_running(self) -> list[str]:
+        """Sends every running request back to the queue, its K/V freed, to be recomputed when
+        it is next scheduled (a weight update: K/V of the old weights must not be read on)."""
+        preempted = list(self.running)
+        for request in reversed(preempted):  # appendleft: the queue keeps their order
+            self._preempt(request)
+        return [request.request_id for request in preempted]
+
     def settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After a step verified `num_drafts` drafts of `request`: the slots of the rejected
         ones hold K/V of tokens that never happened, so they count as not computed (the next

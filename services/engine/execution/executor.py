@@ -8,12 +8,16 @@ gets rank 0's `ModelRunnerOutput` back. `UniProcExecutor` runs one `ModelRank` i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TypeVar
 
 from ...kv_transfer.config import FaultInjection
 from ...model.config import ModelArch
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from .model_rank import ModelRank
+from .model_rank import ModelRank, RankFailure
+
+T = TypeVar("T")
 
 
 class Executor(ABC):
@@ -30,8 +34,24 @@ class Executor(ABC):
         """Fault injection on every rank's KV sends, for failure-path tests (refused unless
         kv_transfer.allow_fault_injection is set)."""
 
+    @abstractmethod
+    def run_on_ranks(self, fn: Callable[[ModelRank], T]) -> list[T]:
+        """fn(rank) on every rank at once, between steps (weight updates, sleep); results in
+        rank order. The first rank's error is raised here; the ranks keep running."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
+
+
+def raise_rank_failures(results: list) -> list:
+    """The results, or the first rank's error (with every failing rank named)."""
+    failures = [r for r in results if isinstance(r, RankFailure)]
+    if failures:
+        error = failures[0].error
+        if len(results) > 1:
+            error.add_note(f"failed on tensor-parallel rank(s) {', '.join(str(f.rank) for f in failures)}")
+        raise error
+    return results
 
 
 class UniProcExecutor(Executor):
@@ -49,6 +69,9 @@ class UniProcExecutor(Executor):
 
     def set_kv_faults(self, faults: FaultInjection) -> None:
         self.rank.set_kv_faults(faults)
+
+    def run_on_ranks(self, fn: Callable[[ModelRank], T]) -> list[T]:
+        return raise_rank_failures([self.rank.call(fn)])
 
     def shutdown(self) -> None:
         self.rank.shutdown()

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,9 @@ from ...roles import Role
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .model_runner import ModelRunner
+from .rank_weights import RankWeights
+
+T = TypeVar("T")
 
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +56,9 @@ class ModelRank:
             torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 in actors
         self.tp = TPGroup()
         self.runner: ModelRunner | None = None
+        self.weights: RankWeights | None = None
         self.connector: KVConnector | None = None
+        self.num_kv_blocks = 0
 
     def node_address(self) -> tuple[str, int]:
         """This worker's host and a free TCP port on it (rank 0 hosts the group's store)."""
@@ -81,10 +89,32 @@ class ModelRank:
             tp=self.tp,
             connector=self.connector,
         )
+        self.weights = RankWeights(
+            self.runner.model, self.arch, self.runner.checkpoint_layout, self.config.runner.kernel_backend, self.rank
+        )
         return num_kv_blocks_for(self.config, self.runner.kv_block_bytes, self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
+
+    def release_kv_cache(self) -> None:
+        self.runner.release_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(KV cache, weights) bytes this rank holds."""
+        return self.runner.kv_cache_bytes, self.weights.num_bytes
+
+    def call(self, fn: Callable[[ModelRank], T]) -> T | RankFailure:
+        """fn(self), between steps (weight updates, sleep). An error comes back as a value so
+        that a refused update does not end the rank group (Executor.run_on_ranks raises it)."""
+        try:
+            return fn(self)
+        except Exception as e:  # handed to the driver
+            return RankFailure(self.rank, e)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
@@ -119,6 +149,12 @@ class ModelRank:
             self.connector.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(slots=True)
+class RankFailure:
+    rank: int
+    error: Exception
 
 
 def resolve_device(device: str) -> torch.device:

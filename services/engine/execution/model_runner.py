@@ -73,7 +73,7 @@ class ModelRunner:
         _prepare_cpu_kernels(kernel_impl, device)
         backend = PagedAttentionBackend(kernel_impl)
         self.model = create_model(arch, backend, tp, dtype, device, kernel_impl)
-        load_weights(self.model, model_dir)
+        self.checkpoint_layout = load_weights(self.model, model_dir)  # what weight updates must match
         process_weights_after_loading(self.model, kernel_impl)
         self.model.eval()
         self.sampler = Sampler(arch.eos_token_ids)
@@ -95,6 +95,16 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)]
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
+
+    def release_kv_cache(self) -> None:
+        """Frees the KV-cache tensors (sleep); `initialize_kv_cache` brings them back, zeroed."""
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the memory back to the device, not just to torch
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     # -- one step ---------------------------------------------------------------------
 

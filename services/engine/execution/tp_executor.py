@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from ...kv_transfer.config import FaultInjection
 from ...kv_transfer.types import KVTransferStatus
@@ -24,8 +26,10 @@ from ...ray_env import ensure_ray
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ..errors import EngineDeadError
-from .executor import Executor
+from .executor import Executor, raise_rank_failures
 from .model_rank import ModelRank
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,9 @@ class RayTPExecutor(Executor):
 
     def set_kv_faults(self, faults: FaultInjection) -> None:
         self._wait_all([r.set_kv_faults.remote(faults) for r in self.ranks])
+
+    def run_on_ranks(self, fn: Callable[[ModelRank], T]) -> list[T]:
+        return raise_rank_failures(self._wait_all([r.call.remote(fn) for r in self.ranks]))
 
     def named_parameters(self) -> list[dict]:
         """Every rank's parameters (for inspection and tests)."""

@@ -1,0 +1,149 @@
+"""The trainer-to-engine weight channel: a torch.distributed group of its own, bucketed.
+
+The trainer is rank 0 and broadcasts; every engine rank joins as `rank_offset + tp_rank`
+and keeps only its shard of what it receives. The group is a `ProcessGroupGloo` on its own
+`TCPStore` (hosted by rank 0), never the default group, so it lives beside the TP group.
+
+Many tensors share one collective: tensors are grouped by dtype (in the order given) and
+flattened into buckets of at most `bucket_bytes` (a larger tensor is a bucket alone). Both
+sides derive the same plan from the same (names, dtypes, shapes, bucket_bytes), so only
+the buckets' bytes cross the wire:
+
+    names:    a:f32[4]  b:bf16[2]  c:f32[8]  d:f32[100]          bucket_bytes = 64
+    buckets:  f32 [a c]    f32 [d]    bf16 [b]
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class BucketEntry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # elements into the bucket
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    dtype: torch.dtype
+    entries: tuple[BucketEntry, ...]
+    numel: int
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.bfloat16, "bfloat16" and "torch.bfloat16" name the same dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")
+    return value
+
+
+def plan_buckets(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype | str],
+    shapes: Sequence[Sequence[int]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[Bucket]:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor name is given twice")
+    by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        by_dtype.setdefault(as_dtype(dtype), []).append((name, tuple(int(s) for s in shape)))
+    buckets: list[Bucket] = []
+    for dtype, tensors in by_dtype.items():
+        capacity = max(1, bucket_bytes // dtype.itemsize)
+        entries: list[BucketEntry] = []
+        used = 0
+        for name, shape in tensors:
+            numel = math.prod(shape)
+            if entries and used + numel > capacity:
+                buckets.append(Bucket(dtype, tuple(entries), used))
+                entries, used = [], 0
+            entries.append(BucketEntry(name, shape, used, numel))
+            used += numel
+        if entries:
+            buckets.append(Bucket(dtype, tuple(entries), used))
+    return buckets
+
+
+class WeightSyncGroup:
+    """One side's handle on the group (the trainer's or one engine rank's)."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> None:
+        if backend != "gloo":
+            raise ValueError(f"weight update groups support backend 'gloo' (got {backend!r})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        self._store = store  # kept alive: rank 0 hosts it for the others
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.process_group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.process_group.broadcast([tensor], options).wait()
+
+    def destroy(self) -> None:
+        self.process_group = None
+        self._store = None
+
+
+def receive_weights(group: WeightSyncGroup, buckets: Iterable[Bucket]) -> list[tuple[str, torch.Tensor]]:
+    """Engine side: every bucket from rank 0, as (name, view into its bucket)."""
+    received = []
+    for bucket in buckets:
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+        group.broadcast(flat, src=0)
+        received.extend((e.name, flat[e.offset : e.offset + e.numel].view(e.shape)) for e in bucket.entries)
+    return received
+
+
+def broadcast_weights(
+    group: WeightSyncGroup, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Trainer side (rank 0): sends `named_tensors` in the plan the engine derives from
+    `describe(named_tensors)` and the same `bucket_bytes`."""
+    tensors = dict(named_tensors)
+    for bucket in plan_buckets(*describe(named_tensors), bucket_bytes):
+        if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
+            flat = tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
+        else:
+            flat = torch.cat([tensors[e.name].detach().to("cpu").reshape(-1) for e in bucket.entries])
+        group.broadcast(flat, src=0)
+
+
+def describe(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    """(names, dtypes, shapes): what `update_weights_from_distributed` is told."""
+    return (
+        [name for name, _ in named_tensors],
+        [t.dtype for _, t in named_tensors],
+        [list(t.shape) for _, t in named_tensors],
+    )

@@ -1,0 +1,134 @@
+"""Weight updates on a loaded model: check everything, then write through the loader's path.
+
+    check_update(layout, arch, shapes, complete)   raises before anything is written
+    with writable_weights(model, names, impl):     unpacks the oneDNN-packed weights touched
+        load_tensors(model, tensors)               the loader's per-tensor, per-shard path
+                                                   (repacked on exit; tied heads stay tied)
+    release_weights(model) / restore_weights(...)  frees the weights' memory (sleep level 2)
+
+An update must match the checkpoint the model was loaded from (`CheckpointLayout`): same
+tensor names and full shapes. Dtypes may differ (a bf16 trainer, an f32 engine): values are
+cast as they are copied in, exactly as at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .config import ModelArch
+from .embedding import ParallelLMHead
+from .errors import ModelLoadError
+from .linear import CpuPackable, packable_modules, process_weights_after_loading
+from .loader import CheckpointLayout
+
+# Fields that shape the model but are not weights: an update cannot change them.
+_FIXED_ARCH_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "qk_norm",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LM_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def check_same_architecture(running: ModelArch, new: ModelArch, source: str) -> None:
+    for name in _FIXED_ARCH_FIELDS:
+        if getattr(running, name) != getattr(new, name):
+            raise ModelLoadError(
+                f"{source}: {name} is {getattr(new, name)!r}, the running model's is {getattr(running, name)!r} "
+                "(a weight update keeps the architecture)"
+            )
+
+
+def check_update(
+    layout: CheckpointLayout, arch: ModelArch, shapes: Mapping[str, tuple[int, ...]], complete: bool
+) -> None:
+    """Every tensor is one the model was loaded from, with the same full shape; with
+    `complete`, every such tensor is present (the weights were released)."""
+    for name, shape in shapes.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        expected = layout.shapes.get(name)
+        if expected is None and name == _LM_HEAD and arch.tie_word_embeddings:
+            expected = layout.shapes.get(_EMBEDDING)  # a tied head some trainers still send
+        if expected is None:
+            raise ModelLoadError(f"tensor {name!r} is not a tensor of the running model ({arch.architecture})")
+        if tuple(shape) != tuple(expected):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, the running model's is {tuple(expected)}")
+    if complete:
+        missing = sorted(set(layout.shapes) - set(shapes))
+        if missing:
+            raise ModelLoadError(
+                "the weights were released (sleep level 2): an update must carry every tensor; missing "
+                + ", ".join(missing[:8])
+                + (" ..." if len(missing) > 8 else "")
+            )
+
+
+@contextlib.contextmanager
+def writable_weights(model: nn.Module, names: Iterable[str], impl: str) -> Iterator[None]:
+    """Unpacks the packed layers that `names` write into, and repacks them afterwards."""
+    modules = _touched_modules(model, names)
+    for module in modules:
+        module.unpack_for_loading()
+    try:
+        yield
+    finally:
+        process_weights_after_loading(model, impl, modules)
+
+
+def release_weights(model: nn.Module) -> dict[str, torch.Size]:
+    """Frees every parameter's memory (the parameters stay, empty); returns their shapes."""
+    for module in packable_modules(model):
+        module.unpack_for_loading()
+    shapes = {}
+    for name, param in model.named_parameters():  # a tied parameter once
+        shapes[name] = param.shape
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return shapes
+
+
+def restore_weights(model: nn.Module, shapes: Mapping[str, torch.Size]) -> None:
+    """Gives released parameters storage again (uninitialised: a complete update fills it)."""
+    for name, param in model.named_parameters():
+        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the parameters hold, with the LM head's packed copy."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and module.packed_weight is not None:
+            total += module.packed_weight.numel() * module.packed_weight.element_size()
+    return total
+
+
+def _touched_modules(model: nn.Module, names: Iterable[str]) -> list[CpuPackable]:
+    modules: dict[str, nn.Module] = {}
+    for name in names:
+        target, _ = model.checkpoint_target(name)
+        path = target.rpartition(".")[0]
+        if target == _EMBEDDING and model.arch.tie_word_embeddings:
+            path = "lm_head"  # the head's packed copy is of the embedding it is tied to
+        with contextlib.suppress(AttributeError):  # not a module path: check_update names it
+            module = model.get_submodule(path)
+            if isinstance(module, CpuPackable):
+                modules[path] = module
+    return list(modules.values())
