@@ -15,7 +15,9 @@ Calls are synchronous and take about a Redis round trip.
 Redis unavailable: the decision falls back to load-only ranking over the workers of the
 last successful query (their last loads, plus what this router placed since), logs once
 and shows in `metrics()`. Redis is tried again every `redis.retry_interval_s`; the first
-success ends the fallback, and prefix routing resumes as workers republish snapshots.
+success ends the fallback, and prefix routing resumes as workers republish snapshots. A
+connection that Redis closed (it restarted) is retried once at once, on a fresh one, so a
+quick restart costs no fallback at all.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class PrefixRouter:
         if not self.availability.should_try():
             return None
         try:
-            views = self._usable(self.index.query(role, block_hashes))
+            views = self._usable(self._query_once_more_if_closed(role, block_hashes))
         except redis.RedisError as e:
             self._on_redis_error(e)
             return None
@@ -195,6 +197,18 @@ class PrefixRouter:
             self._outage_tokens.clear()
         self._last_views[role] = views
         return views
+
+    def _query_once_more_if_closed(self, role: str, block_hashes: Sequence[BlockHash]) -> list[WorkerView]:
+        """A Redis that restarted (a supervised local one is back within milliseconds) closed
+        the connection this router held: the first query on it fails, a fresh connection tells
+        whether Redis is back. Retried only while Redis counted as available, so an outage
+        costs one extra attempt, and never after a timeout (a hung Redis is not retried)."""
+        try:
+            return self.index.query(role, block_hashes)
+        except redis.ConnectionError:
+            if not self.availability.is_available:
+                raise
+        return self.index.query(role, block_hashes)
 
     def _fallback(self, role: str, policy: RoutingPolicy, request: RoutingRequest) -> Placement:
         """Load-only ranking over the last known workers, counting this router's own placements since."""
