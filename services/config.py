@@ -6,7 +6,8 @@ the role's `engine_overrides` merged in) and the worker-side router settings. Cr
 checks run at load: prefill and decode share the model and block size, and tensor
 parallelism must divide the model's heads (checked when the model's config is read).
 
-    name, mode, server        the Serve application, its endpoints, where API keys come from (server.auth)
+    name, mode, server        the Serve application, its endpoints, where API keys come from (server.auth),
+                              request size bounds (server.limits)
     engine                    EngineConfig shared by every role (services/engine/config.py)
     gateway                   the ingress deployment (gRPC + OpenAI HTTP)
     colocated | prefill, decode   the engine deployments (mode picks which exist)
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .engine.config import EngineConfig
 from .gateway.api_keys import AuthConfig
+from .gateway.request_limits import RequestLimits
 from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
 
@@ -48,6 +50,10 @@ class ServerConfig(BaseModel):
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
         description="API keys: the environment variables and files they are read from (never the keys)",
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits,
+        description="Request size and prompt length bounds, checked before work is spent; tokenizer threads",
     )
 
 

@@ -8,10 +8,23 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
   gateway  baton_time_to_first_token_seconds        histogram  arrival at the gateway -> first token
            baton_time_per_output_token_seconds      histogram  (e2e - ttft) / (output tokens - 1)
            baton_e2e_request_latency_seconds        histogram
-           baton_requests_total{finish_reason,api}  counter    finished requests (and errors: finish_reason=error code)
+           baton_requests_total{finish_reason,api}  counter    finished requests: the engine's finish reason (stop,
+                                                    length, abort), `cancelled` for a request the client cancelled
+                                                    or whose deadline passed (Serve's proxy cancels it either way,
+                                                    so the two are one value), `error:<gRPC code>` for the others
+           baton_requests_shed_total{api,reason}    counter    requests refused to keep admitted ones within bounds
+                                                    (429 / 503 with Retry-After); reason: where the bound was met,
+                                                    e.g. gateway_inflight, waiting_requests, waiting_tokens, queue,
+                                                    no_replica
+           baton_request_migrations_total{role,outcome}  counter  a request moved off a replica that died or
+                                                    drained, by the role it left; outcome: migrated (continues
+                                                    elsewhere), failed (no replica took it), refused (its migration
+                                                    limit was reached, or it cannot migrate)
            baton_prompt_tokens_total, baton_generation_tokens_total, baton_cached_prompt_tokens_total
            baton_kv_path_total{path}                counter    disaggregated requests by how the KV got there
   router   baton_router_decisions_total{role,reason} counter   prefix | load | imbalance | fallback | no_workers
+           baton_replicas_fenced_total{role}        counter    replicas taken out of placement (heartbeat lapsed,
+                                                    actor gone, draining), by role
   worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
            baton_num_free_kv_blocks{role}, baton_num_warm_free_kv_blocks{role} (free, holding a prefix used within
            cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
@@ -53,6 +66,13 @@ def _metrics() -> dict[str, Any]:
         "cached_tokens": Counter("baton_cached_prompt_tokens_total", "Prompt tokens served from prefix caches"),
         "kv_path": Counter("baton_kv_path_total", "Requests by how their KV cache got to decode", ("path",)),
         "decisions": Counter("baton_router_decisions_total", "Routing decisions", ("role", "reason")),
+        "shed": Counter(
+            "baton_requests_shed_total", "Requests refused to keep admitted ones in bounds", ("api", "reason")
+        ),
+        "migrations": Counter(
+            "baton_request_migrations_total", "Requests moved off a replica that died or drained", ("role", "outcome")
+        ),
+        "fenced": Counter("baton_replicas_fenced_total", "Replicas taken out of placement", role),
         "running": Gauge("baton_num_requests_running", "Requests running in the engine", role),
         "waiting": Gauge("baton_num_requests_waiting", "Requests waiting in the engine", role),
         "kv_usage": Gauge("baton_kv_cache_usage_ratio", "Share of KV-cache blocks in use", role),
@@ -107,8 +127,34 @@ def record_request(
         m["kv_path"].inc(1, {"path": kv_path})
 
 
+CANCELLED = "cancelled"  # baton_requests_total's finish_reason for cancels and passed deadlines
+MIGRATION_OUTCOMES = frozenset({"migrated", "failed", "refused"})
+
+
 def record_error(api: str, code: str) -> None:
     _metrics()["requests"].inc(1, {"finish_reason": f"error:{code}", "api": api})
+
+
+def record_cancelled(api: str) -> None:
+    """A request the client cancelled or whose deadline passed: not an error."""
+    _metrics()["requests"].inc(1, {"finish_reason": CANCELLED, "api": api})
+
+
+def record_shed(api: str, reason: str) -> None:
+    """A request refused by admission control (`reason`: which bound, see the header)."""
+    _metrics()["shed"].inc(1, {"api": api, "reason": reason})
+
+
+def record_migration(role: str, outcome: str) -> None:
+    """A request that left a `role` replica mid-stream; `outcome` in MIGRATION_OUTCOMES."""
+    if outcome not in MIGRATION_OUTCOMES:
+        raise ValueError(f"migration outcome {outcome!r} is not one of {sorted(MIGRATION_OUTCOMES)}")
+    _metrics()["migrations"].inc(1, {"role": role, "outcome": outcome})
+
+
+def record_fenced(role: str) -> None:
+    """A `role` replica taken out of placement (heartbeat lapsed, actor gone, draining)."""
+    _metrics()["fenced"].inc(1, {"role": role})
 
 
 def record_decision(role: str, reason: str) -> None:

@@ -6,11 +6,21 @@ engine that stopped). Every error a client can see is mapped in `status_of`; its
 never carries internals (Ray actor ids, pids, node addresses, class names), which the
 gateway logs instead. A request refused for the client's own reasons (4xx) is logged as one
 line; `QuietRejections` keeps Ray Serve from adding a traceback for it.
+
+Overload (429 / RESOURCE_EXHAUSTED) and no live worker (503 / UNAVAILABLE) tell the client
+when to try again: `ErrorStatus.retry_after_s`, whole seconds, which the HTTP API sends as
+the `Retry-After` header (and in a streamed error's body) and the gRPC API as the trailing
+metadata `retry-after`. A request the client cancelled, or whose deadline passed (the proxy
+cancels it either way; the gateway cannot tell the two apart), is CANCELLED / 499, counted
+as finish_reason `cancelled`, never as a server error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +29,15 @@ from .engine.errors import EngineDeadError, InvalidRequestError
 
 WORKER_LOST = "a worker stopped while serving this request; retrying it may succeed"
 ENGINE_STOPPED = "the engine serving this request stopped after an internal error; retrying it may succeed"
+CANCELLED = "the request was cancelled (the client went away or its deadline passed)"
+# When a refused client may try again, unless the error says: a replica's queue drains, or a
+# replica comes back, within about this long.
+DEFAULT_OVERLOAD_RETRY_AFTER_S = 1.0
+DEFAULT_UNAVAILABLE_RETRY_AFTER_S = 1.0
+# How a gRPC status's details end when it carries a retry delay: Serve's proxy drops the
+# trailing metadata a replica sets on an error, so its side (grpc_servicers) reads it here.
+_RETRY_AFTER_DETAILS = re.compile(r" \(retry after (\d+) s\)$")
+HTTP_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request the client gave up on (no one reads it)
 # The codes of requests refused for what the client sent or how much: no traceback in the logs.
 REJECTION_CODES = frozenset(
     {
@@ -35,11 +54,30 @@ REJECTION_CODES = frozenset(
 
 
 class ServerOverloadedError(RuntimeError):
-    """The worker's queue is over its configured bound; retry later (429)."""
+    """The worker's queue is over its configured bound; retry after `retry_after_s` (429)."""
+
+    def __init__(self, message: str = "server overloaded", retry_after_s: float = DEFAULT_OVERLOAD_RETRY_AFTER_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # Ray pickles it from the worker to the gateway
+        return type(self), (str(self), self.retry_after_s)
 
 
 class NoHealthyWorkersError(RuntimeError):
-    """No worker can take the request right now (503)."""
+    """No worker can take the request right now; retry after `retry_after_s` (503)."""
+
+    def __init__(self, message: str = "no healthy worker", retry_after_s: float = DEFAULT_UNAVAILABLE_RETRY_AFTER_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
+
+class RequestTooLargeError(ValueError):
+    """A request body or message over `server.limits.max_request_bytes` (413 /
+    RESOURCE_EXHAUSTED); retrying the same request cannot help."""
 
 
 class NotFoundError(LookupError):
@@ -63,11 +101,31 @@ class ErrorStatus:
     openai_type: str
     message: str
     param: str | None = None
+    retry_after_s: int | None = None  # whole seconds until a retry may succeed (Retry-After)
 
     @property
     def is_rejection(self) -> bool:
         """Refused for the client's own reasons (4xx), not a failure of the server."""
         return self.http_status < 500
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.grpc_code == grpc.StatusCode.CANCELLED
+
+    @property
+    def grpc_details(self) -> str:
+        """The message, and the retry delay where there is one (`retry_after_of` reads it)."""
+        if self.retry_after_s is None:
+            return self.message
+        return f"{self.message} (retry after {self.retry_after_s} s)"
+
+
+def retry_after_of(details: str | bytes | None) -> int | None:
+    """The retry delay in a gRPC status's details (`ErrorStatus.grpc_details`), or None."""
+    if isinstance(details, bytes):
+        details = details.decode("utf-8", "replace")
+    found = _RETRY_AFTER_DETAILS.search(details or "")
+    return int(found.group(1)) if found else None
 
 
 def status_of(error: BaseException) -> ErrorStatus:
@@ -76,20 +134,27 @@ def status_of(error: BaseException) -> ErrorStatus:
     from ray.serve.exceptions import BackPressureError
 
     cause = _unwrap(error)
+    if is_cancellation(cause):
+        return ErrorStatus(grpc.StatusCode.CANCELLED, HTTP_CLIENT_CLOSED_REQUEST, "cancelled", CANCELLED)
     if isinstance(cause, RayActorError | WorkerCrashedError | NodeDiedError | ObjectLostError):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", WORKER_LOST)
     if isinstance(cause, InvalidRequestError):
         return ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", str(cause), cause.field)
     if isinstance(cause, MalformedRequestError):
         return ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", str(cause))
+    if isinstance(cause, RequestTooLargeError):
+        return ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", str(cause))
     if isinstance(cause, ServerOverloadedError | BackPressureError):
+        retry_after_s = getattr(cause, "retry_after_s", DEFAULT_OVERLOAD_RETRY_AFTER_S)
+        message = str(cause) or "server overloaded"
         return ErrorStatus(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", str(cause) or "server overloaded"
+            grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", message, None, whole_seconds(retry_after_s)
         )
     if isinstance(cause, EngineDeadError):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", ENGINE_STOPPED)
     if isinstance(cause, NoHealthyWorkersError):
-        return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", str(cause))
+        retry_after_s = whole_seconds(cause.retry_after_s)
+        return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", str(cause), None, retry_after_s)
     if isinstance(cause, UnauthenticatedError):
         return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", str(cause))
     if isinstance(cause, NotFoundError):
@@ -97,6 +162,19 @@ def status_of(error: BaseException) -> ErrorStatus:
     if isinstance(cause, TimeoutError):
         return ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", str(cause) or "request timed out")
     return ErrorStatus(grpc.StatusCode.INTERNAL, 500, "internal_error", str(cause) or "internal server error")
+
+
+def is_cancellation(error: BaseException) -> bool:
+    """The request was cancelled from outside: the client went away or its deadline passed
+    (Serve's proxy cancels the replica's call; a downstream call then ends cancelled too)."""
+    from ray.exceptions import TaskCancelledError  # Serve's RequestCancelledError is one
+
+    return isinstance(error, asyncio.CancelledError | GeneratorExit | TaskCancelledError)
+
+
+def whole_seconds(seconds: float) -> int:
+    """A Retry-After value: HTTP's delay-seconds is a whole number, at least 1 here."""
+    return max(1, math.ceil(seconds))
 
 
 def is_rejection(error: BaseException) -> bool:

@@ -9,11 +9,15 @@ class wires both onto one `GenerationService` and records their errors: a reject
 (4xx) is one log line, a server error is logged with its traceback; clients see neither the
 traceback nor internals (`serving_errors.status_of`). Every call is authenticated first
 (`api_keys`: the `authorization` metadata on gRPC, the header on HTTP), health checks only
-when `server.auth.protect_health` says so.
+when `server.auth.protect_health` says so. Sizes are bounded before work is spent
+(`request_limits`: HTTP bodies, gRPC messages, prompt text), and tokenizing runs off the
+event loop. Overload and unavailability carry a retry delay (`retry-after` trailing metadata,
+the HTTP `Retry-After` header); a cancelled request is counted as `cancelled`, not an error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +33,7 @@ from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
 from .openai_api import OpenAIApi, build_http_app
+from .request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class Gateway:
         export_metrics: bool = False,
         router: str = "power_of_two",
         api_keys: ApiKeys | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.mode = mode
         self.router = router  # how the engine replicas are chosen (reported by GetModelInfo)
@@ -49,7 +55,8 @@ class Gateway:
         self.export_metrics = export_metrics
         self.api_keys = api_keys if api_keys is not None else ApiKeys()  # no keys: open, as before keys
         on_finished = _record_request if export_metrics else None
-        self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished)
+        self.limits = limits if limits is not None else RequestLimits()
+        self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished, self.limits)
         self.openai = OpenAIApi(self.service, engine_client, lambda error: self._failure(error, "http"), self.api_keys)
         quiet_rejections()  # Serve's own traceback per rejected gRPC request, in this replica's log
 
@@ -58,7 +65,7 @@ class Gateway:
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         with self._grpc_errors(grpc_context):
             caller = self._caller(grpc_context)
-            generation = grpc_api.generation_request(grpc_api.parsed(request))
+            generation = grpc_api.generation_request(self._parsed(request))
             generation.owner = caller.owner
             num_top = generation.params.logprobs or 0
             async for event in self.service.stream(await self.service.prepare(generation)):
@@ -67,15 +74,15 @@ class Gateway:
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
         with self._grpc_errors(grpc_context):
             self._caller(grpc_context)
-            request = grpc_api.parsed(request)
+            request = self._parsed(request)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = self.service.tokenize(request.text, add_special)
+            ids = await self.service.tokenize(request.text, add_special)
             return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
         with self._grpc_errors(grpc_context):
             self._caller(grpc_context)
-            grpc_api.parsed(request)
+            self._parsed(request)
             return grpc_api.model_info(
                 await self.service.model_info(), self.engine_client.roles, self.mode, self.router
             )
@@ -85,7 +92,7 @@ class Gateway:
         gets `found: false`, the answer for an id that is not running."""
         with self._grpc_errors(grpc_context):
             caller = self._caller(grpc_context)
-            request_id = grpc_api.parsed(request).request_id
+            request_id = self._parsed(request).request_id
             found = self.service.abort(request_id, caller)
             if found:
                 logger.info("request %s aborted by %s", request_id, _who(caller))
@@ -101,7 +108,7 @@ class Gateway:
         with self._grpc_errors(grpc_context):
             if self.api_keys.protect_health:
                 self._caller(grpc_context)
-            service = grpc_api.parsed(request).service
+            service = self._parsed(request).service
             if service not in grpc_api.served_services():
                 raise NotFoundError(f"service: {service!r} is not served here")
             serving = await self.engine_client.is_healthy()
@@ -115,7 +122,7 @@ class Gateway:
         with self._grpc_errors(grpc_context):
             if self.api_keys.protect_health:
                 self._caller(grpc_context)
-            if grpc_api.parsed(request).service not in grpc_api.served_services():
+            if self._parsed(request).service not in grpc_api.served_services():
                 yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
                 return
         yield await self.Check(request, grpc_context)
@@ -125,34 +132,48 @@ class Gateway:
     def __serve_build_asgi_app__(self) -> FastAPI:  # noqa: N807 - Ray Serve's hook name
         return build_http_app(self.openai)
 
+    def _parsed(self, request):
+        return grpc_api.parsed(request, self.limits.max_request_bytes)
+
     def _caller(self, grpc_context) -> Caller:
         if not self.api_keys.is_enabled:
             return ANONYMOUS  # without keys, as before: the metadata is not read
         return self.api_keys.authenticate(grpc_authorization(grpc_context))
 
-    def _failure(self, error: Exception, api: str) -> ErrorStatus:
+    def _failure(self, error: BaseException, api: str) -> ErrorStatus:
         """The client's status for `error`; logs one line for a rejection, the traceback (with
-        what the client is not told: actor ids, pids, addresses) for a server error."""
+        what the client is not told: actor ids, pids, addresses) for a server error. A cancel
+        (the client left, or its deadline passed) counts as finish_reason `cancelled`."""
         status = status_of(error)
-        if status.is_rejection:
+        if status.is_cancelled:
+            logger.info("%s request cancelled", api)
+        elif status.is_rejection:
             logger.info("%s request refused, %s: %s", api, status.grpc_code.name, status.message)
         else:
             logger.error("%s request failed, %s: %s", api, status.grpc_code.name, error, exc_info=error)
         if self.export_metrics:
-            metrics.record_error(api, status.grpc_code.name)
+            if status.is_cancelled:
+                metrics.record_cancelled(api)
+            else:
+                metrics.record_error(api, status.grpc_code.name)
         return status
 
     @contextlib.contextmanager
     def _grpc_errors(self, grpc_context) -> Iterator[None]:
         """Sets an error's status on Serve's gRPC context and re-raises: Ray then reports the
-        code set here instead of INTERNAL (a streaming rpc can end with an error no other way)."""
+        code set here instead of INTERNAL (a streaming rpc can end with an error no other way).
+        A retry delay goes in the details, where the proxy's side finds it and sends it as the
+        trailing metadata `retry-after` (grpc_servicers: Serve drops a replica's trailing
+        metadata on errors); it is also set here, for servers that keep it."""
         try:
             yield
-        except Exception as error:
+        except (Exception, asyncio.CancelledError, GeneratorExit) as error:
             status = self._failure(error, "grpc")
             if grpc_context is not None:
                 grpc_context.set_code(status.grpc_code)
-                grpc_context.set_details(status.message)
+                grpc_context.set_details(status.grpc_details)
+                if status.retry_after_s is not None:
+                    grpc_context.set_trailing_metadata([("retry-after", str(status.retry_after_s))])
             raise
 
 

@@ -1,7 +1,9 @@
 """The generation service behind both APIs: tokenize once, validate, place, stream.
 
     GenerationRequest (from gRPC or OpenAI)
-      -> prompt token ids (the gateway's tokenizer; chat template for chat requests)
+      -> prompt text bound (request_limits: characters, before any tokenizing)
+      -> prompt token ids (the gateway's tokenizer; chat template for chat requests), on the
+         tokenizer thread pool, never on the event loop
       -> checks: sampling parameters, prompt length against the context limit
       -> EngineClient.stream(GenerateCall)  ->  RequestOutput deltas  ->  GenerationEvent
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ from ..serving_errors import NotFoundError
 from ..worker_calls import GenerateCall, WorkerModelInfo
 from .api_keys import ANONYMOUS, Caller
 from .engine_client import EngineClient, PlacementTrace
+from .request_limits import RequestLimits, check_text_length, num_chars
 from .structured_output import user_facing
 
 
@@ -84,10 +89,14 @@ class GenerationService:
         tokenizer: Any,
         engine_client: EngineClient,
         on_finished: Callable[[str, GenerationEvent], None] | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engine_client = engine_client
         self.on_finished = on_finished  # metrics: (api, the request's last event)
+        self.limits = limits if limits is not None else RequestLimits()
+        # The Rust tokenizer releases the GIL while it works: these threads keep it off the loop.
+        self._tokenizer_pool = ThreadPoolExecutor(self.limits.tokenizer_threads, thread_name_prefix="baton-tokenizer")
         self._model_info: WorkerModelInfo | None = None
         self._inflight: dict[str, _InFlight] = {}  # by request id
 
@@ -96,22 +105,41 @@ class GenerationService:
             self._model_info = await self.engine_client.model_info()
         return self._model_info
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
+        """`text`'s token ids, from the tokenizer pool; text that cannot fit the context is
+        refused first, untokenized (request_limits)."""
+        check_text_length(len(text), field, self.limits, (await self.model_info()).max_model_len)
+        return await self._off_loop(self._encode, text, add_special_tokens)
 
-    def apply_chat_template(
+    async def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """The prompt's token ids; `tools` (OpenAI's function tools) reach the templates that
         describe tools to the model, and the others ignore them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "the model has no chat template; use /v1/completions")
+        max_model_len = (await self.model_info()).max_model_len
+        check_text_length(num_chars(messages) + num_chars(tools), "messages", self.limits, max_model_len)
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            text = await self._off_loop(
+                self.tokenizer.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # the template raised on these messages
             raise InvalidRequestError("messages", f"the chat template rejected the messages: {e}") from e
+        # As apply_chat_template(tokenize=True) does: the template writes the special tokens.
+        return await self._off_loop(self._encode, text, False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The tokenizer's `encode`; for a fast tokenizer, its Rust backend without offsets,
+        which holds the GIL only to build the id list (transformers' wrapper builds more)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_batch_fast"):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    async def _off_loop(self, function: Callable, *args, **kwargs) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(function, *args, **kwargs))
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> bool:
         """Whether a running request had that id and `caller` may abort it; another key's
@@ -180,12 +208,13 @@ class GenerationService:
             await stream.aclose()
 
     async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        info = await self.model_info()
         if isinstance(request.prompt, str):
+            check_text_length(len(request.prompt), "prompt", self.limits, info.max_model_len)  # before it is read
             check_prompt_text(request.prompt)
-            prompt_ids = self.tokenize(request.prompt, request.add_special_tokens)
+            prompt_ids = await self.tokenize(request.prompt, request.add_special_tokens, field="prompt")
         else:
             prompt_ids = list(request.prompt)
-        info = await self.model_info()
         check_prompt_ids(prompt_ids, info.vocab_size, info.max_model_len)
         # The context rule, before placing: a refusal costs no worker a round trip (the
         # engine applies it again for every caller, offline ones included).

@@ -10,6 +10,7 @@ from ..serving_errors import MalformedRequestError
 from ..worker_calls import WorkerModelInfo
 from .generation import GenerationEvent, GenerationRequest
 from .grpc_servicers import MalformedMessage
+from .request_limits import check_message_size
 from .structured_output import Constraint, constraint_of_kind, json_schema_constraint
 
 # Proto field -> SamplingParams field, for the optional scalars (unset means the default).
@@ -32,10 +33,13 @@ _OPTIONAL_FIELDS = (
 )
 
 
-def parsed(request):
-    """The request, or INVALID_ARGUMENT for bytes the proxy could not parse (grpc_servicers)."""
+def parsed(request, max_bytes: int | None = None):
+    """The request, or INVALID_ARGUMENT for bytes the proxy could not parse (grpc_servicers),
+    or RESOURCE_EXHAUSTED for a message over `max_bytes` (its encoded size)."""
     if isinstance(request, MalformedMessage):
         raise MalformedRequestError(request.message)
+    if max_bytes is not None:
+        check_message_size(request.ByteSize(), max_bytes, f"{request.DESCRIPTOR.full_name} message")
     return request
 
 

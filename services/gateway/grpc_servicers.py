@@ -8,12 +8,19 @@ register the same methods with a parser that cannot raise: a request it cannot r
 arrives at the gateway as a `MalformedMessage`, which the gateway answers with
 INVALID_ARGUMENT saying what is wrong (`grpc_api.parsed`).
 
+They also send a refusal's retry delay as the trailing metadata `retry-after`: Serve's proxy
+drops the trailing metadata a replica sets when its rpc fails, so the delay travels in the
+status details (`ErrorStatus.grpc_details`) and is copied into the trailers here, after the
+proxy has set the status (`with_retry_after`).
+
 Both functions run in the proxy's process, the only Baton code that does; they also quiet
 Ray Serve's tracebacks for rejected requests there (`serving_errors.quiet_rejections`).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +30,10 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from ..serving_errors import quiet_rejections
+from ..serving_errors import quiet_rejections, retry_after_of
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_KEY = "retry-after"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +94,52 @@ def _method_handler(method: Any, behaviour: Callable) -> grpc.RpcMethodHandler:
         raise ValueError(f"{method.full_name}: client-streaming rpcs are not registered here")
     make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
     return make(
-        behaviour,
+        with_retry_after(behaviour),
         request_deserializer=tolerant_parser(request_class),
         response_serializer=response_class.SerializeToString,
     )
+
+
+def with_retry_after(behaviour: Callable) -> Callable:
+    """`behaviour` (Serve's proxy handler), then the status details' retry delay, if any, in
+    the trailing metadata. Handlers that are neither async functions nor async generators
+    are left as they are."""
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request, context):
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            finally:
+                _add_retry_after(context)
+
+        return stream
+    if inspect.iscoroutinefunction(behaviour):
+
+        async def unary(request, context):
+            try:
+                return await behaviour(request, context)
+            finally:
+                _add_retry_after(context)
+
+        return unary
+    return behaviour
+
+
+def _add_retry_after(context: Any) -> None:
+    try:
+        code = context.code()
+        if code in (None, grpc.StatusCode.OK, 0):
+            return
+        seconds = retry_after_of(context.details())
+        if seconds is None:
+            return
+        trailing = tuple(context.trailing_metadata() or ())
+        if any(key == RETRY_AFTER_KEY for key, _ in trailing):
+            return
+        context.set_trailing_metadata((*trailing, (RETRY_AFTER_KEY, str(seconds))))
+    except Exception:  # a context that cannot say or take it: the details still carry the delay
+        logger.debug("could not set the retry-after trailing metadata", exc_info=True)
 
 
 def _problem(error: DecodeError) -> str:

@@ -2,11 +2,15 @@
 /v1/chat/completions (whole or as server-sent events), /v1/models, /health, and the
 FastAPI app that routes them, behind `openai_auth`'s API-key check. The request shapes and
 body helpers are in `openai_protocol`; a forced tool call's output is read back into
-`tool_calls` by `tool_calls`' parsers.
+`tool_calls` by `tool_calls`' parsers. Bodies over `server.limits.max_request_bytes` get a 413
+before any route runs (`openai_body_limit`). A refusal with a retry delay (429, 503) sets
+`Retry-After`; one that comes after a stream started says `retry_after` in the error event.
+A request whose client went away is counted as cancelled (the gateway's `_failure`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +27,7 @@ from .api_keys import ApiKeys
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
 from .openai_auth import ApiKeyMiddleware, caller_of
+from .openai_body_limit import BodySizeLimit
 from .openai_errors import body_error, check_strings
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -84,6 +89,9 @@ class OpenAIApi:
                 )
                 for i, p in enumerate(prompts)
             ]
+        except asyncio.CancelledError as error:
+            self.record_error(error)
+            raise
         except Exception as error:
             return self.error_response(error)
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -98,7 +106,7 @@ class OpenAIApi:
             body.check_supported()
             forced_call = body.forced_tool_call()
             constraint = body.constraint(forced_call)
-            prompt_ids = self.service.apply_chat_template(body.message_dicts(), body.tool_dicts(forced_call))
+            prompt_ids = await self.service.apply_chat_template(body.message_dicts(), body.tool_dicts(forced_call))
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             # Unset, chat may generate to the end of the context, as OpenAI's and vLLM's do.
             max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -113,6 +121,9 @@ class OpenAIApi:
                 owner=owner,
             )
             requests = [await self.service.prepare(request)]
+        except asyncio.CancelledError as error:
+            self.record_error(error)
+            raise
         except Exception as error:
             return self.error_response(error)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -140,6 +151,9 @@ class OpenAIApi:
                     accumulator.add(i * n + event.completion.index, event)
                     if event.finished:
                         total = _add_usage(total, event)
+        except asyncio.CancelledError as error:
+            self.record_error(error)
+            raise
         except Exception as error:
             return self.error_response(error)
         info = await self.service.model_info()
@@ -261,6 +275,9 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
     """The OpenAI-compatible routes, bound to one API instance (one per replica)."""
     http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment")
     http.add_middleware(ApiKeyMiddleware, api_keys=api.api_keys, record_error=api.record_error)
+    # Added last, so it runs first: a body over the limit costs no more than its counting.
+    max_bytes = api.service.limits.max_request_bytes
+    http.add_middleware(BodySizeLimit, max_bytes=max_bytes, record_error=api.record_error)
 
     @http.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -325,11 +342,15 @@ def _add_usage(total: Usage | None, event: GenerationEvent) -> Usage:
 
 
 def _status_body(status: ErrorStatus) -> dict[str, Any]:
-    return error_body(status.message, status.openai_type, status.param, status.http_status)
+    body = error_body(status.message, status.openai_type, status.param, status.http_status)
+    if status.retry_after_s is not None:  # a stream's error event has no headers to carry it
+        body["error"]["retry_after"] = status.retry_after_s
+    return body
 
 
 def _status_response(status: ErrorStatus) -> JSONResponse:
-    return JSONResponse(_status_body(status), status_code=status.http_status)
+    headers = None if status.retry_after_s is None else {"Retry-After": str(status.retry_after_s)}
+    return JSONResponse(_status_body(status), status_code=status.http_status, headers=headers)
 
 
 async def _sse(
@@ -342,6 +363,9 @@ async def _sse(
         first = await iterator.__anext__()
     except StopAsyncIteration:
         first = None
+    except asyncio.CancelledError as error:
+        record_error(error)
+        raise
     except Exception as error:
         return _status_response(record_error(error))
 
@@ -351,6 +375,9 @@ async def _sse(
                 yield f"data: {json.dumps(first)}\n\n"
                 async for event in iterator:
                     yield f"data: {json.dumps(event)}\n\n"
+        except (asyncio.CancelledError, GeneratorExit) as error:  # the client left mid-stream
+            record_error(error)
+            raise
         except Exception as error:  # after the headers went out: report in the stream
             yield f"data: {json.dumps(_status_body(record_error(error)))}\n\n"
         finally:

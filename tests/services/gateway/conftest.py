@@ -20,30 +20,40 @@ FAKE_MODEL_INFO = WorkerModelInfo("tiny", 64, 16, 1, 1024, "colocated", "w@0")
 
 class FakeEngineClient(EngineClient):
     """Streams scripted deltas, (sample index, text, finish_reason) each, and records the
-    calls it gets; or raises `error` at once."""
+    calls it gets; or raises `error` at once (after the deltas with `error_after_deltas`)."""
 
     def __init__(
         self,
         error: Exception | None = None,
         healthy: bool = True,
         deltas: list[tuple[int, str, str | None]] | None = None,
+        model_info: WorkerModelInfo = FAKE_MODEL_INFO,
+        error_after_deltas: bool = False,
     ) -> None:
         self.error = error
         self.healthy = healthy
         self.deltas = deltas or [(0, "ok", "length")]
+        self.info = model_info
+        self.error_after_deltas = error_after_deltas
         self.calls = []
 
     async def stream(self, call, trace):
         self.calls.append(call)
-        if self.error is not None:
+        if self.error is not None and not self.error_after_deltas:
             raise self.error
         for i, (index, text, finish_reason) in enumerate(self.deltas):
             completion = CompletionOutput(index, text, [5], None, None, finish_reason)
-            is_last = i == len(self.deltas) - 1
+            is_last = i == len(self.deltas) - 1 and self.error is None
             yield RequestOutput(call.request_id, None, call.prompt_token_ids, [completion], is_last, 0)
+        if self.error is not None:
+            raise self.error
+
+    async def resume(self, call, token_ids, trace):
+        raise NotImplementedError("the fake engine client does not migrate requests")
+        yield
 
     async def model_info(self):
-        return FAKE_MODEL_INFO
+        return self.info
 
     async def is_healthy(self):
         return self.healthy
@@ -60,24 +70,27 @@ def tokenizer_dir():
 
 @pytest.fixture
 def fake_gateway(tokenizer_dir):
-    """fake_gateway(**FakeEngineClient kwargs) -> (Gateway, its FakeEngineClient)."""
+    """fake_gateway(limits=None, **FakeEngineClient kwargs) -> (Gateway, its FakeEngineClient)."""
 
-    def make(**kwargs):
+    def make(limits=None, **kwargs):
         engine_client = FakeEngineClient(**kwargs)
-        return Gateway(engine_client, tokenizer_dir), engine_client
+        return Gateway(engine_client, tokenizer_dir, limits=limits), engine_client
 
     return make
 
 
 class FakeGrpcContext:
     def __init__(self):
-        self.code, self.details = None, None
+        self.code, self.details, self.trailing_metadata = None, None, ()
 
     def set_code(self, code):
         self.code = code
 
     def set_details(self, details):
         self.details = details
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing_metadata = tuple(metadata)
 
 
 @pytest.fixture

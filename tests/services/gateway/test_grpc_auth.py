@@ -44,6 +44,9 @@ class GatedEngine(EngineClient):
             completion = CompletionOutput(0, "x", [5], None, None, "length" if i == NUM_TOKENS - 1 else None)
             yield RequestOutput(call.request_id, None, call.prompt_token_ids, [completion], i == NUM_TOKENS - 1, 0)
 
+    def resume(self, call, token_ids, trace):
+        return self.fake.resume(call, token_ids, trace)
+
     async def model_info(self):
         return await self.fake.model_info()
 
