@@ -14,6 +14,7 @@ from ..disaggregation.client import DisaggregatedClient
 from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
+from ..gateway.request_limits import RequestLimits
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -27,7 +28,13 @@ class ServeGateway(Gateway):
     through Serve's config."""
 
     def __init__(
-        self, workers: dict[str, Any], tokenizer_path: str, mode: str, router: str, auth: AuthConfig | None = None
+        self,
+        workers: dict[str, Any],
+        tokenizer_path: str,
+        mode: str,
+        router: str,
+        auth: AuthConfig | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         api_keys = ApiKeys.from_config(auth or AuthConfig())
         logger.info("gateway: %s", api_keys.describe())
@@ -38,6 +45,7 @@ class ServeGateway(Gateway):
             export_metrics=True,
             router=router,
             api_keys=api_keys,
+            limits=limits,
         )
 
 
@@ -60,7 +68,9 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         serve.ingress()(ServeGateway), name="gateway", **config.gateway.serve_options(), **stop_options
     )
     tokenizer = config.engine.model.tokenizer or config.engine.model.model
-    return gateway.bind(workers, tokenizer, config.mode, replica_choice(config), config.server.auth)
+    return gateway.bind(
+        workers, tokenizer, config.mode, replica_choice(config), config.server.auth, config.server.limits
+    )
 
 
 def replica_choice(config: BatonConfig) -> str:
