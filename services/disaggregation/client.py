@@ -21,7 +21,18 @@ from typing import Any
 
 from ..engine.api.handover import Handover, KVPath, can_disaggregate
 from ..engine.api.outputs import RequestOutput
-from ..gateway.engine_client import ColocatedClient, EngineClient, PlacementTrace, answers, until_finished
+from ..gateway.engine_client import (
+    ColocatedClient,
+    EngineClient,
+    PlacementTrace,
+    answers,
+    guarded,
+    no_replicas,
+    resume_on,
+    until_finished,
+)
+from ..router.live_replicas import LIVE_REPLICAS
+from ..serving_errors import NoHealthyWorkersError
 from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 
 
@@ -33,7 +44,8 @@ class DisaggregatedClient(EngineClient):
         K/V (or recomputes the prompt if the transfer fails)
 
     Requests that cannot be split (`can_disaggregate`: n > 1, beam search) run whole on a
-    decode worker (KVPath.LOCAL).
+    decode worker (KVPath.LOCAL), and so does every request while no prefill replica is
+    live (all of them lost or restarting): slower prompts, no refusals.
     """
 
     def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
@@ -41,12 +53,18 @@ class DisaggregatedClient(EngineClient):
         self.decode = decode_handle
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        if not can_disaggregate(call.params):
-            trace.kv_path = KVPath.LOCAL
-            async for output in ColocatedClient(self.decode).stream(call, trace):
+        if LIVE_REPLICAS.has_none("decode"):  # refused before any prefill work is spent on it
+            raise no_replicas("decode")
+        if not can_disaggregate(call.params) or LIVE_REPLICAS.has_none("prefill"):
+            async for output in self._whole_on_decode(call, trace):
                 yield output
             return
-        first = await self.prefill.prefill.remote(call)
+        try:
+            first = await guarded(self.prefill.prefill.remote(call), "prefill")
+        except NoHealthyWorkersError:  # the last prefill replica went while this one waited
+            async for output in self._whole_on_decode(call, trace):
+                yield output
+            return
         kv = first.kv_transfer_params
         if kv is None:  # it ended at the first token: nothing to hand over
             trace.kv_path = KVPath.PREFILL_ONLY
@@ -57,12 +75,21 @@ class DisaggregatedClient(EngineClient):
         yield _unfinished(first)
         handover = Handover.decode(first.token_ids, kv)
         response = self.decode.options(stream=True).decode.remote(DecodeCall(call, handover))
-        async with aclosing(until_finished(response)) as outputs:
+        async with aclosing(until_finished(response, "decode")) as outputs:
             async for output in outputs:
                 trace.kv_path = output.kv_path or trace.kv_path
                 trace.decode_worker = output.worker_id
                 output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
                 yield output
+
+    async def resume(self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        async for output in resume_on(self.decode, "decode", call, token_ids, trace):
+            yield output
+
+    async def _whole_on_decode(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        trace.kv_path = KVPath.LOCAL
+        async for output in ColocatedClient(self.decode, "decode").stream(call, trace):
+            yield output
 
     async def model_info(self) -> WorkerModelInfo:
         return await self.decode.model_info.remote()

@@ -3,19 +3,30 @@
 `ColocatedClient` streams from the colocated deployment (Serve picks the replica, or the
 router's request router does when one is configured). `DisaggregatedClient`
 (services/disaggregation: prefill, then decode) implements the same interface.
+
+A call waits for its first answer only while its deployment has a live replica
+(`guarded`, reading router/live_replicas.py): with none, Serve would queue it until one is
+back, and the client would hang; it gets NoHealthyWorkersError (503, Retry-After) instead.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ..engine.api.handover import KVPath
+from ..engine.api.handover import Handover, KVPath
 from ..engine.api.outputs import RequestOutput
-from ..worker_calls import GenerateCall, WorkerModelInfo
+from ..router.live_replicas import LIVE_REPLICAS
+from ..serving_errors import NoHealthyWorkersError
+from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
+
+T = TypeVar("T")
+LIVENESS_POLL_S = 0.05  # how often a call waiting for its first answer looks at the replica set
+RETRY_AFTER_S = 5  # what a 503 for a role without replicas suggests: about a replica's restart
 
 
 @dataclass(slots=True)
@@ -33,6 +44,11 @@ class EngineClient(ABC):
         """Outputs (deltas) of the call; closing the iterator cancels the request downstream."""
 
     @abstractmethod
+    def resume(self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        """Continues `call` on a live worker after its own was lost with `token_ids` streamed
+        (one sample): the outputs after them."""
+
+    @abstractmethod
     async def model_info(self) -> WorkerModelInfo: ...
 
     @abstractmethod
@@ -45,16 +61,24 @@ class EngineClient(ABC):
 
 
 class ColocatedClient(EngineClient):
-    def __init__(self, worker_handle: Any) -> None:
+    def __init__(self, worker_handle: Any, role: str = "colocated") -> None:
         self.worker = worker_handle
+        self.role = role  # the deployment's role (a disaggregated client runs n > 1 on "decode")
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        async with aclosing(until_finished(self.worker.options(stream=True).generate.remote(call))) as outputs:
+        response = self.worker.options(stream=True).generate.remote(call)
+        async with aclosing(until_finished(response, self.role)) as outputs:
             async for output in outputs:
                 trace.decode_worker = output.worker_id
                 if trace.kv_path is KVPath.COLOCATED:
                     trace.prefill_worker = output.worker_id
                 yield output
+
+    async def resume(
+        self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
+    ) -> AsyncIterator[RequestOutput]:
+        async for output in resume_on(self.worker, self.role, call, token_ids, trace):
+            yield output
 
     async def model_info(self) -> WorkerModelInfo:
         return await self.worker.model_info.remote()
@@ -67,19 +91,67 @@ class ColocatedClient(EngineClient):
         return ["colocated"]
 
 
-async def until_finished(response: Any) -> AsyncIterator[RequestOutput]:
+async def resume_on(
+    handle: Any, role: str, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
+) -> AsyncIterator[RequestOutput]:
+    """The rest of a migrated request, recomputed on a replica of `handle` (Handover.resume)."""
+    response = handle.options(stream=True).decode.remote(DecodeCall(call, Handover.resume(token_ids)))
+    async with aclosing(until_finished(response, role)) as outputs:
+        async for output in outputs:
+            trace.kv_path = KVPath.MIGRATED
+            trace.decode_worker = output.worker_id
+            yield output
+
+
+async def until_finished(response: Any, role: str) -> AsyncIterator[RequestOutput]:
     """A Serve streaming response's outputs; leaving early cancels the request downstream.
+    The first output is `guarded`: `role` losing its last replica ends the wait.
 
     Callers iterate it under `aclosing`, so the cancel happens when they stop, not when the
     generator is collected."""
     finished = False
+    outputs = response.__aiter__()
     try:
-        async for output in response:
+        output = await guarded(outputs.__anext__(), role)
+        while True:
             finished = output.finished
             yield output
+            output = await outputs.__anext__()
+    except StopAsyncIteration:
+        return
     finally:
         if not finished:
             response.cancel()
+
+
+async def guarded(first_answer: Awaitable[T], role: str) -> T:
+    """`first_answer`, unless `role` has no live replica before it comes: then the call is
+    cancelled and NoHealthyWorkersError raised (Serve would hold it until a replica is back)."""
+    if LIVE_REPLICAS.has_none(role):
+        _close(first_answer)
+        raise no_replicas(role)
+    task = asyncio.ensure_future(first_answer)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
+            if done:
+                return task.result()
+            if LIVE_REPLICAS.has_none(role):
+                raise no_replicas(role)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def no_replicas(role: str) -> NoHealthyWorkersError:
+    return NoHealthyWorkersError(f"no {role} replica is running right now; retry in about {RETRY_AFTER_S} s")
+
+
+def _close(awaitable: Awaitable) -> None:
+    close = getattr(awaitable, "close", None)  # a coroutine never awaited warns unless closed
+    if close is not None:
+        close()
 
 
 async def answers(handle: Any) -> bool:

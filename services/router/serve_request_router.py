@@ -26,12 +26,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+# Serve's default router has no public import path in Ray 2.60 (pinned in pyproject.toml).
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .. import metrics
 from ..engine.core.block_hash import BlockHash
 from ..worker_calls import DecodeCall, GenerateCall
 from .config import RouterConfig
+from .live_replicas import PublishesReplicaCount
 from .policy import Placement, RankedWorker
 from .router import PrefixRouter
 
@@ -44,7 +47,7 @@ class _Routed:
     block_hashes: list[BlockHash]
 
 
-class BatonRequestRouter(FIFOMixin, RequestRouter):
+class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
     def initialize_state(self, router_config: dict, role: str) -> None:
         self.role = role
         self.router = PrefixRouter.from_config(RouterConfig.model_validate(router_config))
@@ -108,10 +111,11 @@ class BatonRequestRouter(FIFOMixin, RequestRouter):
         return info.address if info is not None else None
 
 
-class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
+class RoundRobinRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
     """Prefix-blind baseline: replicas in turn (the benchmarks' round-robin arm)."""
 
-    def initialize_state(self) -> None:
+    def initialize_state(self, role: str) -> None:
+        self.role = role
         self._next = 0
 
     async def choose_replicas(
@@ -123,6 +127,14 @@ class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
         first = self._next % len(ordered)
         self._next += 1
         return [[replica] for replica in ordered[first:] + ordered[:first]]
+
+
+class PowerOfTwoRequestRouter(PublishesReplicaCount, PowerOfTwoChoicesRequestRouter):
+    """Serve's default choice (two replicas at random, the shorter queue), reporting its
+    replica set like the others."""
+
+    def initialize_state(self, role: str) -> None:
+        self.role = role
 
 
 def _call_of(pending_request: PendingRequest | None) -> GenerateCall | DecodeCall | None:

@@ -15,6 +15,7 @@ from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
 from ..gateway.request_limits import RequestLimits
+from ..gateway.migration import MigratingClient
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -50,9 +51,12 @@ class ServeGateway(Gateway):
 
 
 def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
+    """The client for the mode, with request migration around it (gateway/migration.py)."""
     if mode == "colocated":
-        return ColocatedClient(workers["colocated"])
-    return DisaggregatedClient(workers["prefill"], workers["decode"])
+        inner: EngineClient = ColocatedClient(workers["colocated"])
+    else:
+        inner = DisaggregatedClient(workers["prefill"], workers["decode"])
+    return MigratingClient(inner)
 
 
 def build_app(config: BatonConfig, grace_period_s: float | None = None):
@@ -85,7 +89,7 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from ..router.serve_request_router import BatonRequestRouter, RoundRobinRequestRouter
+    from ..router.serve_request_router import BatonRequestRouter, PowerOfTwoRequestRouter, RoundRobinRequestRouter
 
     section = config.deployment(role)
     options = section.serve_options()
@@ -95,8 +99,11 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
             request_router_class=BatonRequestRouter,
             request_router_kwargs={"router_config": _json_config(router_config), "role": role},
         )
-    elif choice == "round_robin":
-        options["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRequestRouter)
+    else:  # every router reports its live replicas to the gateway (router/live_replicas.py)
+        router_class = RoundRobinRequestRouter if choice == "round_robin" else PowerOfTwoRequestRouter
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs={"role": role}
+        )
     deployment = serve.deployment(
         EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options, **stop_options
     )

@@ -148,6 +148,10 @@ class EngineWorker:
         """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
         return await self.llm.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
 
+    async def integrity_report(self) -> tuple[str, EngineStats]:
+        """`check_integrity` with the worker id: tests reach every replica of a role this way."""
+        return self.worker_id, await self.check_integrity()
+
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine restarts the replica."""
         if not self.llm.is_running:

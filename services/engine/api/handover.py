@@ -30,7 +30,7 @@ class KVPath(enum.StrEnum):
     COLOCATED = "colocated"  # one worker prefilled and decoded it
     TRANSFERRED = "transferred"  # prefilled on one worker, its K/V received by the decode worker
     RECOMPUTED = "recomputed"  # the transfer failed or timed out: the decode worker recomputed the prompt
-    LOCAL = "local"  # disaggregated deployment, but it ran whole on a decode worker (n > 1, beam search)
+    LOCAL = "local"  # disaggregated, but run whole on a decode worker (n > 1, beam search, no prefill replica)
     MIGRATED = "migrated"  # its worker was lost mid-stream: another one recomputed it and went on
     PREFILL_ONLY = "prefill-only"  # it ended at its first token, on the prefill worker
 

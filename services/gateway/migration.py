@@ -1,0 +1,116 @@
+"""Request migration: a stream whose worker is lost goes on, from another worker.
+
+    inner.stream(call) ---- outputs ----> client
+           | the worker's process dies (RayActorError & co) with k tokens streamed
+           v
+    k == 0                       the same call again: another replica prefills it (a prefill
+                                 replica lost before the first token, or a colocated one)
+    k > 0, one sample            inner.resume(call, those k tokens): a live decode (or
+                                 colocated) replica recomputes prompt + k tokens and continues
+                                 (engine/api/handover.py `Handover.resume`); max_tokens,
+                                 min_tokens, penalties, stop strings and the grammar count the
+                                 k tokens, so the client sees one unbroken stream
+    k > 0, n > 1 or beam search  fails (UNAVAILABLE, "retrying may succeed"): the samples'
+                                 states (beams, per-sample seeds) are not rebuilt elsewhere
+
+A greedy request's migrated output equals the undisturbed one token for token. A seeded
+sampling request continues from a fresh generator seeded with the same seed, so it stays
+reproducible for a given migration point but differs from the undisturbed run after it.
+Each request migrates at most `max_migrations` times; then the loss reaches the client.
+Usage keeps the first worker's prompt-cache hit: that is the prefill that counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from ..engine.api.handover import can_disaggregate
+from ..engine.api.outputs import RequestOutput
+from ..worker_calls import GenerateCall, WorkerModelInfo
+from .engine_client import EngineClient, PlacementTrace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MIGRATIONS = 3
+
+
+def is_worker_lost(error: BaseException) -> bool:
+    """Whether `error` says the worker's process (or node) is gone, rather than refusing."""
+    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+
+    cause = getattr(error, "cause", None)  # Ray wraps a remote exception in RayTaskError
+    lost = RayActorError | WorkerCrashedError | NodeDiedError | ObjectLostError
+    return isinstance(error, lost) or isinstance(cause, lost)
+
+
+class MigratingClient(EngineClient):
+    """Wraps the deployment's client (colocated or disaggregated) with migration."""
+
+    def __init__(
+        self,
+        inner: EngineClient,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        on_migration: Callable[[str], None] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.max_migrations = max_migrations
+        self.on_migration = on_migration  # metrics: called with "retried", "resumed" or "failed"
+
+    async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        streamed: list[int] = []  # every token the client has been sent (one sample: in order)
+        num_cached: int | None = None
+        num_migrations = 0
+        outputs = self.inner.stream(call, trace)
+        while True:
+            try:
+                async with aclosing(outputs):
+                    async for output in outputs:
+                        if num_cached is None and output.outputs:
+                            num_cached = output.num_cached_tokens
+                        elif num_cached is not None:
+                            output.num_cached_tokens = num_cached
+                        for completion in output.outputs:
+                            streamed.extend(completion.token_ids)
+                        yield output
+                return
+            except Exception as error:
+                if not is_worker_lost(error):
+                    raise
+                if num_migrations >= self.max_migrations or (streamed and not can_disaggregate(call.params)):
+                    self._record("failed")
+                    raise
+                num_migrations += 1
+                how = "resumed" if streamed else "retried"
+                self._record(how)
+                logger.warning(
+                    "request %s lost its %s worker after %d tokens; %s elsewhere (migration %d of at most %d)",
+                    call.request_id,
+                    "/".join(self.inner.roles),
+                    len(streamed),
+                    how,
+                    num_migrations,
+                    self.max_migrations,
+                )
+                if streamed:
+                    outputs = self.inner.resume(call, list(streamed), trace)
+                else:
+                    outputs = self.inner.stream(call, trace)
+
+    def resume(self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+        return self.inner.resume(call, token_ids, trace)
+
+    async def model_info(self) -> WorkerModelInfo:
+        return await self.inner.model_info()
+
+    async def is_healthy(self) -> bool:
+        return await self.inner.is_healthy()
+
+    @property
+    def roles(self) -> list[str]:
+        return self.inner.roles
+
+    def _record(self, outcome: str) -> None:
+        if self.on_migration is not None:
+            self.on_migration(outcome)

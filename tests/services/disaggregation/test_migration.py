@@ -1,0 +1,180 @@
+"""Replica deaths under load on a real local Ray cluster: 2 prefill + 2 decode replicas, a real
+redis-server (the prefix router's), faults injected by killing a replica's process by PID
+(SIGKILL). No stream fails, and every greedy output equals the offline engine's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from baton.services.client import BatonClient
+from baton.services.engine import LLM, SamplingParams
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
+from testlib.baton_client import greedy_request
+from testlib.models import tiny_model
+from testlib.ray_cluster import local_ray
+from testlib.ray_processes import replica_pids
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = [f"def handler_{i}(request, context):" for i in range(8)]
+LONG_PROMPTS = [f"Request {i}: " + "the with statement wraps a block of code. " * 20 for i in range(8)]
+MAX_TOKENS = 160  # long enough that every stream is still running when the kill lands
+
+
+def config():
+    return resolve_config(
+        None,
+        str(tiny_model("llama")),
+        {
+            "mode": "disaggregated",
+            "server": {"http_port": 0, "grpc_port": 0},
+            "engine": {
+                "model": {"max_model_len": 512},
+                "cache": {"num_kv_blocks": 256},
+                "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 32},  # long prompts take many steps
+                "kv_transfer": {"timeout_s": 2.0, "lease_s": 5.0},
+            },
+            "prefill": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
+            "decode": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    with local_ray(num_cpus=4):
+        deployment = LocalDeployment(config(), Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
+        try:
+            yield deployment
+        finally:
+            deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    client = BatonClient(deployment.grpc_address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=256, max_model_len=512)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + LONG_PROMPTS
+    outputs = llm.generate(prompts, params)
+    llm.shutdown()
+    return {p: o.token_ids for p, o in zip(prompts, outputs)}
+
+
+class Streams:
+    """`prompts` streamed at once, each in its own thread; `started` once each has a token."""
+
+    def __init__(self, client: BatonClient, prompts: list[str]) -> None:
+        self.tokens: dict[str, list[int]] = {p: [] for p in prompts}
+        self.kv_paths: dict[str, str] = {}
+        self.errors: list[BaseException] = []
+        self.first_token = threading.Barrier(len(prompts) + 1, timeout=60)
+        self.threads = [threading.Thread(target=self._run, args=(client, p)) for p in prompts]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, client: BatonClient, prompt: str) -> None:
+        waited = False
+        try:
+            for response in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120):
+                self.tokens[prompt] += response.token_ids
+                self.kv_paths[prompt] = response.timings.kv_path or self.kv_paths.get(prompt, "")
+                if not waited:
+                    waited = True
+                    self.first_token.wait()
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            self.errors.append(error)
+            if not waited:
+                self.first_token.abort()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=180)
+
+
+def wait_for_replicas(role: str, count: int, timeout_s: float = 120) -> float:
+    start = time.monotonic()
+    while len(replica_pids(role)) < count:
+        assert time.monotonic() - start < timeout_s, f"{role} not back to {count} replicas"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def settle(role: str, timeout_s: float = 30) -> None:
+    """Both replicas of `role` have all their blocks back and nothing in flight."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(role, app_name="baton")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = dict(handle.broadcast("integrity_report").results())
+        if len(reports) == 2 and all(
+            s.num_free_kv_blocks == s.num_kv_blocks and s.num_kv_leases == 0 and s.num_kv_receiving == 0
+            for s in reports.values()
+        ):
+            return
+        assert time.monotonic() < deadline, reports
+        time.sleep(0.2)
+
+
+def test_a_decode_replica_killed_mid_stream_loses_no_stream(deployment, client, offline):
+    wait_for_replicas("decode", 2)
+    victim = replica_pids("decode")[0]
+    streams = Streams(client, PROMPTS)
+    streams.first_token.wait()  # every stream is on a decode replica, mid-way
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    streams.join()
+    done_after_s = time.monotonic() - killed_at
+    assert not streams.errors, streams.errors
+    assert {p: t for p, t in streams.tokens.items()} == {p: offline[p] for p in PROMPTS}
+    migrated = [p for p, path in streams.kv_paths.items() if path == "migrated"]
+    assert migrated, streams.kv_paths  # the victim held some of them
+    replaced_after_s = wait_for_replicas("decode", 2)
+    print(f"decode kill: {len(migrated)}/8 streams migrated, all done {done_after_s:.2f}s after the kill; "
+          f"replica replaced after {replaced_after_s:.1f}s more")
+    settle("decode")
+    settle("prefill")
+
+
+def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client, offline):
+    wait_for_replicas("prefill", 2)
+    victim = replica_pids("prefill")[0]
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(prompt: str) -> None:
+        try:
+            results[prompt] = [
+                t for r in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120) for t in r.token_ids
+            ]
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in LONG_PROMPTS]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # their prompts are being prefilled (14 chunks each), some handed over
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=180)
+    done_after_s = time.monotonic() - killed_at
+    assert not errors, errors
+    assert results == {p: offline[p] for p in LONG_PROMPTS}
+    replaced_after_s = wait_for_replicas("prefill", 2)
+    print(f"prefill kill: all 8 done {done_after_s:.2f}s after the kill; replica replaced after {replaced_after_s:.1f}s")
+    settle("prefill")
+    settle("decode")

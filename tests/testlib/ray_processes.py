@@ -1,0 +1,42 @@
+"""Processes of the Ray cluster this test process started, found by their titles in /proc.
+
+Ray names a replica's process `ray::ServeReplica:<app>:<deployment>`; only processes that
+descend from this one count, so another cluster on the machine is never touched."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def replica_pids(role: str, app: str = "baton") -> list[int]:
+    title = f"ray::ServeReplica:{app}:{role}"
+    return sorted(pid for pid, cmdline in _processes() if cmdline.split(" ", 1)[0] == title and _is_ours(pid))
+
+
+def _processes():
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        yield int(entry.name), cmdline
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
+
+
+def _is_ours(pid: int) -> bool:
+    me, current = os.getpid(), pid
+    while current and current != 1:
+        if current == me:
+            return True
+        current = _parent(current)
+    return False
