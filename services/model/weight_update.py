@@ -61,7 +61,7 @@ def check_update(
     layout: CheckpointLayout, arch: ModelArch, shapes: Mapping[str, tuple[int, ...]], complete: bool
 ) -> None:
     """Every tensor is one the model was loaded from, with the same full shape; with
-    `complete`, every such tensor is present (the weights were released)."""
+    `complete` (a whole folder, or weights released by sleep), every such tensor is present."""
     for name, shape in shapes.items():
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -76,9 +76,10 @@ def check_update(
         missing = sorted(set(layout.shapes) - set(shapes))
         if missing:
             raise ModelLoadError(
-                "the weights were released (sleep level 2): an update must carry every tensor; missing "
+                "the update lacks tensors "
                 + ", ".join(missing[:8])
                 + (" ..." if len(missing) > 8 else "")
+                + " (a checkpoint folder, or an update after sleep(level=2), carries every tensor)"
             )
 
 

@@ -55,8 +55,8 @@ class RankWeights:
         source = str(path)
         check_same_architecture(self.arch, load_model_arch(path), source)
         shapes = {name: shape_of(tensor) for name, tensor in iter_checkpoint(path)}  # headers only
-        try:
-            self._check(shapes)
+        try:  # a folder is a whole checkpoint: a missing tensor is a mismatch, not a partial update
+            check_update(self.layout, self.arch, shapes, complete=True)
         except ModelLoadError as e:
             raise ModelLoadError(f"{source}: {e}") from e
         self._write(shapes, iter_checkpoint(path))

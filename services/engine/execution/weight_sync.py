@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,8 +116,23 @@ class WeightSyncGroup:
         self._store = None
 
 
-def receive_weights(group: WeightSyncGroup, buckets: Iterable[Bucket]) -> list[tuple[str, torch.Tensor]]:
+def _plan_header(buckets: Sequence[Bucket]) -> torch.Tensor:
+    """What both sides planned, sent first: a trainer with another bucket size or other
+    tensors is refused by name instead of filling the wrong bytes."""
+    return torch.tensor([len(buckets), sum(b.numel for b in buckets), sum(len(b.entries) for b in buckets)])
+
+
+def receive_weights(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> list[tuple[str, torch.Tensor]]:
     """Engine side: every bucket from rank 0, as (name, view into its bucket)."""
+    expected = _plan_header(buckets)
+    header = torch.empty_like(expected)
+    group.broadcast(header, src=0)
+    if not torch.equal(header, expected):
+        raise ValueError(
+            "the trainer's buckets (count, elements, tensors) are "
+            f"{header.tolist()}, this engine planned {expected.tolist()}: pass the trainer's "
+            "names, dtypes, shapes and bucket_bytes to update_weights_from_distributed"
+        )
     received = []
     for bucket in buckets:
         flat = torch.empty(bucket.numel, dtype=bucket.dtype)
@@ -132,7 +147,9 @@ def broadcast_weights(
     """Trainer side (rank 0): sends `named_tensors` in the plan the engine derives from
     `describe(named_tensors)` and the same `bucket_bytes`."""
     tensors = dict(named_tensors)
-    for bucket in plan_buckets(*describe(named_tensors), bucket_bytes):
+    buckets = plan_buckets(*describe(named_tensors), bucket_bytes)
+    group.broadcast(_plan_header(buckets), src=0)
+    for bucket in buckets:
         if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
             flat = tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
         else:

@@ -1,0 +1,88 @@
+"""The trainer path: a real trainer process, rank 0 of a gloo group, takes a gradient step
+and broadcasts its weights in buckets; the engine's outputs then equal Hugging Face on the
+trainer's saved weights, through LLM and AsyncLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.services.engine import LLM, AsyncLLM, SamplingParams
+from baton.services.engine.execution.weight_sync import as_dtype, plan_buckets
+from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+
+
+def test_buckets_group_by_dtype_and_cap_their_size():
+    names = ["a", "b", "c", "d", "e"]
+    dtypes = [torch.float32, "bfloat16", "torch.float32", torch.float32, torch.float32]
+    shapes = [[4], [2], [2, 4], [100], [3]]
+    buckets = plan_buckets(names, dtypes, shapes, bucket_bytes=64)
+    assert [(b.dtype, [e.name for e in b.entries]) for b in buckets] == [
+        (torch.float32, ["a", "c"]),  # 48 bytes; d would overflow 64
+        (torch.float32, ["d"]),  # larger than a bucket: alone
+        (torch.float32, ["e"]),
+        (torch.bfloat16, ["b"]),
+    ]
+    assert [(e.offset, e.numel) for e in buckets[0].entries] == [(0, 4), (4, 8)]
+    assert as_dtype("torch.bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="twice"):
+        plan_buckets(["a", "a"], dtypes[:2], shapes[:2])
+
+
+def test_update_from_a_trainer_process_equals_hf(old_dir, tmp_path, trainer_factory):
+    llm = LLM(model=str(old_dir), num_kv_blocks=64)
+    try:
+        ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+        before = llm.generate(ids, GREEDY)
+        trainer = trainer_factory(old_dir, tmp_path, world_size=2, bucket_bytes=64 * 1024)  # many buckets
+        llm.init_weights_update_group("127.0.0.1", trainer.port, 1, 2, "rl")
+        meta = trainer.metadata()
+        version = llm.update_weights_from_distributed(
+            meta["names"], meta["dtypes"], meta["shapes"], weight_version="trained-1", bucket_bytes=meta["bucket_bytes"]
+        )
+        trainer.join()
+        llm.destroy_weights_update_group("rl")
+        assert version == "trained-1"
+        after = llm.generate(ids, GREEDY)
+        assert_equals_hf(tmp_path, ids, after)
+        assert [o.token_ids for o in after] != [o.token_ids for o in before]
+        assert {o.weight_version for o in after} == {"trained-1"}
+        with pytest.raises(ValueError, match="no weight update group"):
+            llm.destroy_weights_update_group("rl")
+    finally:
+        llm.shutdown()
+
+
+async def test_each_kind_of_update_through_async_llm(old_dir, new_dir, tmp_path, trainer_factory):
+    from safetensors.torch import load_file
+
+    engine = AsyncLLM.from_kwargs(str(old_dir), num_kv_blocks=64)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+
+    async def generate() -> list:
+        outputs = []
+        for i, prompt in enumerate(ids):
+            outputs.append([o async for o in engine.generate(f"{engine.weight_version}-{i}", prompt, GREEDY)][-1])
+        return outputs
+
+    try:
+        assert await engine.update_weights_from_disk(str(new_dir)) == "1"
+        assert_equals_hf(new_dir, ids, await generate())
+        named = list(load_file(old_dir / "model.safetensors").items())
+        assert await engine.update_weights_from_tensors(named) == "2"
+        assert_equals_hf(old_dir, ids, await generate())
+
+        trainer = trainer_factory(old_dir, tmp_path, world_size=2, bucket_bytes=1 << 20)
+        await engine.init_weights_update_group("127.0.0.1", trainer.port, 1, 2, "rl")
+        meta = trainer.metadata()
+        await engine.update_weights_from_distributed(
+            meta["names"], meta["dtypes"], meta["shapes"], group_name="rl", bucket_bytes=meta["bucket_bytes"]
+        )
+        trainer.join()
+        await engine.destroy_weights_update_group("rl")
+        outputs = await generate()
+        assert_equals_hf(tmp_path, ids, outputs)
+        assert {o.weight_version for o in outputs} == {"3"}
+    finally:
+        engine.shutdown()
