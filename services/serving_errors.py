@@ -145,7 +145,7 @@ def status_of(error: BaseException) -> ErrorStatus:
     if isinstance(cause, RequestTooLargeError):
         return ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", str(cause))
     if isinstance(cause, ServerOverloadedError | BackPressureError):
-        retry_after_s = getattr(cause, "retry_after_s", DEFAULT_OVERLOAD_RETRY_AFTER_S)
+        retry_after_s = getattr(cause, "retry_after_s", None) or DEFAULT_OVERLOAD_RETRY_AFTER_S  # Serve's: or None
         message = str(cause) or "server overloaded"
         return ErrorStatus(
             grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", message, None, whole_seconds(retry_after_s)
