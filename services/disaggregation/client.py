@@ -82,7 +82,9 @@ class DisaggregatedClient(EngineClient):
                 output.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit is what counted
                 yield output
 
-    async def resume(self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
+    async def resume(
+        self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
+    ) -> AsyncIterator[RequestOutput]:
         async for output in resume_on(self.decode, "decode", call, token_ids, trace):
             yield output
 

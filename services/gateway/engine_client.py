@@ -11,8 +11,8 @@ back, and the client would hang; it gets NoHealthyWorkersError (503, Retry-After
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -145,7 +145,7 @@ async def guarded(first_answer: Awaitable[T], role: str) -> T:
 
 
 def no_replicas(role: str) -> NoHealthyWorkersError:
-    return NoHealthyWorkersError(f"no {role} replica is running right now; retry in about {RETRY_AFTER_S} s")
+    return NoHealthyWorkersError(f"no {role} replica is running right now", retry_after_s=RETRY_AFTER_S)
 
 
 def _close(awaitable: Awaitable) -> None:

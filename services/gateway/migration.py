@@ -52,11 +52,14 @@ class MigratingClient(EngineClient):
         self,
         inner: EngineClient,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
-        on_migration: Callable[[str], None] | None = None,
+        on_migration: Callable[[str, str], None] | None = None,
     ) -> None:
         self.inner = inner
         self.max_migrations = max_migrations
-        self.on_migration = on_migration  # metrics: called with "retried", "resumed" or "failed"
+        # Metrics: (the lost worker's role, "migrated" | "refused" (n > 1, beam search) |
+        # "failed" (over the limit)). Lost before any token, the role is the first (prefill, or
+        # colocated); after them, the last (decode).
+        self.on_migration = on_migration
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
         streamed: list[int] = []  # every token the client has been sent (one sample: in order)
@@ -78,16 +81,20 @@ class MigratingClient(EngineClient):
             except Exception as error:
                 if not is_worker_lost(error):
                     raise
-                if num_migrations >= self.max_migrations or (streamed and not can_disaggregate(call.params)):
-                    self._record("failed")
+                lost_role = self.inner.roles[-1] if streamed else self.inner.roles[0]
+                if streamed and not can_disaggregate(call.params):
+                    self._record(lost_role, "refused")
+                    raise
+                if num_migrations >= self.max_migrations:
+                    self._record(lost_role, "failed")
                     raise
                 num_migrations += 1
                 how = "resumed" if streamed else "retried"
-                self._record(how)
+                self._record(lost_role, "migrated")
                 logger.warning(
                     "request %s lost its %s worker after %d tokens; %s elsewhere (migration %d of at most %d)",
                     call.request_id,
-                    "/".join(self.inner.roles),
+                    lost_role,
                     len(streamed),
                     how,
                     num_migrations,
@@ -111,6 +118,6 @@ class MigratingClient(EngineClient):
     def roles(self) -> list[str]:
         return self.inner.roles
 
-    def _record(self, outcome: str) -> None:
+    def _record(self, role: str, outcome: str) -> None:
         if self.on_migration is not None:
-            self.on_migration(outcome)
+            self.on_migration(role, outcome)

@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .. import metrics
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -68,5 +70,8 @@ class PublishesReplicaCount:
         LIVE_REPLICAS.publish(self.role, len(self.curr_replicas))
 
     def on_replica_actor_died(self, replica_id) -> None:
+        known = replica_id in self.curr_replicas
         super().on_replica_actor_died(replica_id)
         LIVE_REPLICAS.publish(self.role, len(self.curr_replicas))
+        if known:
+            metrics.record_fenced(self.role)

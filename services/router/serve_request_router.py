@@ -15,7 +15,11 @@ speculative prefix entries and pending load), and its pending load is removed wh
 request completes (`on_request_completed`), so back-to-back requests see current load
 without waiting for the worker's next load report.
 
-Replicas the router does not know yet (just started, not registered) go last, together.
+Replicas the router does not know yet (just started, not registered) go last, together;
+one that registered and then missed its heartbeats is fenced off (`_fence`) while another
+can take the call. A replica whose actor died leaves Serve's candidates at once (Serve's
+handle router drops it when a call fails on it), and every router here reports its replica
+set to the gateway (router/live_replicas.py).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         self.decisions: Counter = Counter()  # by placement reason, for metrics
         self._routing: dict[str, _Routed] = {}  # internal request id -> its latest ranking
         self._in_flight: dict[str, RankedWorker] = {}  # internal request id -> the worker that took it
+        self._registered: set[str] = set()  # replica addresses seen in a live ranking
+        self._fenced: set[str] = set()  # registered replicas whose heartbeat lapsed (logged once each)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -72,12 +78,36 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         by_address = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         ranked: list[list[RunningReplica]] = []
         for worker in routed.placement.ranked:
-            replica = by_address.pop(self._address(worker.worker_id), None)
+            address = self._address(worker.worker_id)
+            replica = by_address.pop(address, None)
             if replica is not None:
                 ranked.append([replica])
-        if by_address:
-            ranked.append(list(by_address.values()))
+                self._registered.add(address)
+        unranked = self._fence(by_address, has_others=bool(ranked))
+        if unranked:
+            ranked.append(unranked)
         return ranked
+
+    def _fence(self, unranked: dict[str, RunningReplica], has_others: bool) -> list[RunningReplica]:
+        """The replicas outside the router's live ranking that may still be tried, last.
+
+        One that registered before and dropped out has a lapsed heartbeat (hung, partitioned
+        or dying; Serve may not know yet): fenced off while another replica can take the call.
+        One never registered is just starting, or cannot reach Redis: tried after the ranked
+        ones. With a placement by fallback (Redis unreachable) the ranking is the last known
+        one, so nothing is fenced for an outage."""
+        if not has_others:
+            return list(unranked.values())
+        kept = []
+        for address, replica in unranked.items():
+            if address not in self._registered:
+                kept.append(replica)
+            elif address not in self._fenced:
+                self._fenced.add(address)
+                metrics.record_fenced(self.role)
+                logger.warning("router: %s replica %s missed its heartbeats: fenced off", self.role, address)
+        self._fenced &= set(unranked)  # back in the ranking (or gone): not fenced any more
+        return kept
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         routed = self._routing.pop(pending_request.metadata.internal_request_id, None)

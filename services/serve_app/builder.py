@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .. import metrics
 from ..config import BatonConfig, Role
 from ..disaggregation.client import DisaggregatedClient
 from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
-from ..gateway.request_limits import RequestLimits
 from ..gateway.migration import MigratingClient
+from ..gateway.request_limits import RequestLimits
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -56,7 +57,7 @@ def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
         inner: EngineClient = ColocatedClient(workers["colocated"])
     else:
         inner = DisaggregatedClient(workers["prefill"], workers["decode"])
-    return MigratingClient(inner)
+    return MigratingClient(inner, on_migration=metrics.record_migration)
 
 
 def build_app(config: BatonConfig, grace_period_s: float | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -148,9 +149,10 @@ class EngineWorker:
         """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
         return await self.llm.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
 
-    async def integrity_report(self) -> tuple[str, EngineStats]:
-        """`check_integrity` with the worker id: tests reach every replica of a role this way."""
-        return self.worker_id, await self.check_integrity()
+    async def integrity_report(self) -> tuple[str, int, EngineStats]:
+        """`check_integrity` with the worker id and process id: what fault-injection tests
+        reach every replica of a role with (Serve's `broadcast`)."""
+        return self.worker_id, os.getpid(), await self.check_integrity()
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine restarts the replica."""

@@ -9,6 +9,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ class Streams:
             for response in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120):
                 self.tokens[prompt] += response.token_ids
                 self.kv_paths[prompt] = response.timings.kv_path or self.kv_paths.get(prompt, "")
-                if not waited:
+                if not waited and len(self.tokens[prompt]) >= 2:  # decoding: past the handover
                     waited = True
                     self.first_token.wait()
         except BaseException as error:  # noqa: BLE001 - reported by the test
@@ -119,7 +120,7 @@ def settle(role: str, timeout_s: float = 30) -> None:
     handle = serve.get_deployment_handle(role, app_name="baton")
     deadline = time.monotonic() + timeout_s
     while True:
-        reports = dict(handle.broadcast("integrity_report").results())
+        reports = {worker_id: stats for worker_id, _, stats in handle.broadcast("integrity_report").results()}
         if len(reports) == 2 and all(
             s.num_free_kv_blocks == s.num_kv_blocks and s.num_kv_leases == 0 and s.num_kv_receiving == 0
             for s in reports.values()
@@ -130,12 +131,17 @@ def settle(role: str, timeout_s: float = 30) -> None:
 
 
 def test_a_decode_replica_killed_mid_stream_loses_no_stream(deployment, client, offline):
+    from ray import serve
+
     wait_for_replicas("decode", 2)
-    victim = replica_pids("decode")[0]
+    settle("decode")
+    handle = serve.get_deployment_handle("decode", app_name="baton")
     streams = Streams(client, PROMPTS)
     streams.first_token.wait()  # every stream is on a decode replica, mid-way
+    reports = handle.broadcast("integrity_report").results()
+    _, busiest, _ = max(reports, key=lambda report: report[2].num_running)  # the one holding most streams
     killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(busiest, signal.SIGKILL)
     streams.join()
     done_after_s = time.monotonic() - killed_at
     assert not streams.errors, streams.errors
@@ -143,15 +149,19 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream(deployment, client, 
     migrated = [p for p, path in streams.kv_paths.items() if path == "migrated"]
     assert migrated, streams.kv_paths  # the victim held some of them
     replaced_after_s = wait_for_replicas("decode", 2)
-    print(f"decode kill: {len(migrated)}/8 streams migrated, all done {done_after_s:.2f}s after the kill; "
-          f"replica replaced after {replaced_after_s:.1f}s more")
+    print(
+        f"decode kill: {len(migrated)}/8 streams migrated, all done {done_after_s:.2f}s after the kill; "
+        f"replica replaced after {replaced_after_s:.1f}s more"
+    )
     settle("decode")
     settle("prefill")
 
 
 def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client, offline):
+    from ray import serve
+
     wait_for_replicas("prefill", 2)
-    victim = replica_pids("prefill")[0]
+    handle = serve.get_deployment_handle("prefill", app_name="baton")
     results: dict[str, list[int]] = {}
     errors: list[BaseException] = []
 
@@ -167,6 +177,8 @@ def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client
     for thread in threads:
         thread.start()
     time.sleep(0.3)  # their prompts are being prefilled (14 chunks each), some handed over
+    reports = handle.broadcast("integrity_report").results()
+    _, victim, _ = max(reports, key=lambda report: report[2].num_running + report[2].num_waiting)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     for thread in threads:
@@ -175,6 +187,35 @@ def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client
     assert not errors, errors
     assert results == {p: offline[p] for p in LONG_PROMPTS}
     replaced_after_s = wait_for_replicas("prefill", 2)
-    print(f"prefill kill: all 8 done {done_after_s:.2f}s after the kill; replica replaced after {replaced_after_s:.1f}s")
+    print(
+        f"prefill kill: all 8 done {done_after_s:.2f}s after the kill; replica replaced after {replaced_after_s:.1f}s"
+    )
     settle("prefill")
+    settle("decode")
+
+
+def test_a_replica_that_misses_its_heartbeats_is_fenced_off(deployment, client, offline):
+    """SIGSTOP: the process lives (Serve still lists it) but stops heartbeating; once its
+    heartbeat lapses no request is placed on it, and after SIGCONT it takes requests again."""
+    from ray import serve
+
+    wait_for_replicas("decode", 2)
+    settle("decode")
+    handle = serve.get_deployment_handle("decode", app_name="baton")
+    stopped_worker, stopped_pid, _ = handle.broadcast("integrity_report").results()[0]
+    os.kill(stopped_pid, signal.SIGSTOP)
+    try:
+        time.sleep(deployment.config.router.worker.heartbeat_ttl_s + 1.0)
+        for prompt in PROMPTS:
+            responses = list(client.generate(greedy_request(prompt, 24), timeout=30))
+            assert [t for r in responses for t in r.token_ids] == offline[prompt][:24]
+            assert responses[-1].timings.decode_worker != stopped_worker
+    finally:
+        os.kill(stopped_pid, signal.SIGCONT)
+    placed = set()
+    for _ in range(40):
+        placed.add(list(client.generate(greedy_request(PROMPTS[0], 4), timeout=30))[-1].timings.decode_worker)
+        if stopped_worker in placed:
+            break
+    assert stopped_worker in placed, placed
     settle("decode")
