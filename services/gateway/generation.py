@@ -205,7 +205,10 @@ class GenerationService:
             raise renamed from error
         finally:
             self._inflight.pop(request_id, None)
-            await stream.aclose()
+            # A stream still running is the one whose __anext__ was cancelled with this
+            # caller (_next_or_abort): it closes itself as that cancel unwinds it.
+            if not getattr(stream, "ag_running", False):
+                await stream.aclose()
 
     async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         info = await self.model_info()
@@ -241,6 +244,9 @@ async def _next_or_abort(stream: AsyncIterator, aborted: asyncio.Event):
     abort_wait = asyncio.ensure_future(aborted.wait())
     try:
         done, _ = await asyncio.wait({next_item, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left: the pending __anext__ goes too (it cancels downstream)
+        next_item.cancel()
+        raise
     finally:
         abort_wait.cancel()
     if next_item in done:

@@ -10,9 +10,18 @@ import grpc
 import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
+from baton.services.gateway.request_limits import RequestLimits
 from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import collect, greedy_request, worker_stats
 from testlib.models import tiny_model
+
+from .beside import (
+    SMALL_REQUEST_MARGIN_S,
+    SMALL_REQUEST_MAX_MARGIN_S,
+    counter_value,
+    small_beside_big,
+    wait_for_counter,
+)
 
 pytestmark = pytest.mark.ray
 PROMPTS = ["def foo(x):", "The quick brown fox", "import os\nimport sys\n", "Hello there, how are you"]
@@ -209,6 +218,45 @@ def test_deadline_is_honoured_and_frees_blocks(client):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_cancels_and_deadlines_count_as_cancelled_not_as_errors(baton_app, client):
+    counted = {"finish_reason": "cancelled", "api": "grpc"}
+    before = counter_value(baton_app.metrics_address, "baton_requests_total", **counted)
+    internal = counter_value(baton_app.metrics_address, "baton_requests_total", finish_reason="error:INTERNAL")
+    stream = client.generate(greedy_request("cancel me", max_tokens=200))
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, greedy_request("a long story", max_tokens=230), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = wait_for_counter(baton_app.metrics_address, "baton_requests_total", before + 2, **counted)
+    print(f"\nbaton_requests_total{{finish_reason=cancelled,api=grpc}}: {before} -> {after}")
+    assert after >= before + 2
+    assert counter_value(baton_app.metrics_address, "baton_requests_total", finish_reason="error:INTERNAL") == internal
+    wait_for_free_blocks()
+
+
+@pytest.mark.parametrize("rpc", ["Tokenize", "Generate"])
+def test_a_10mb_message_is_refused_and_holds_no_one_up(client, rpc):
+    """A 10 MB message gets RESOURCE_EXHAUSTED naming the limit; small requests sent while
+    such messages arrive one after the other take about as long as alone."""
+    limit = RequestLimits().max_request_bytes
+    huge = "z" * (10 * 1024 * 1024)
+
+    def big():
+        if rpc == "Tokenize":
+            return client.stub.Tokenize(pb.TokenizeRequest(text=huge), metadata=client.metadata, timeout=60)
+        return collect(client, pb.GenerateRequest(text=huge))
+
+    measured = small_beside_big(lambda: collect(client, greedy_request("hi", max_tokens=1)), big)
+    measured.report(f"gRPC {rpc} of 10 MB")
+    for error in measured.big_results:
+        assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert f"over the limit of {limit} bytes (server.limits.max_request_bytes)" in error.details()
+    assert len(measured.during_s) >= 5
+    assert measured.added_p50_s < SMALL_REQUEST_MARGIN_S
+    assert max(measured.during_s) < max(measured.baseline_s) + SMALL_REQUEST_MAX_MARGIN_S
+
+
 def test_abort_by_id(client):
     stream = client.generate(
         pb.GenerateRequest(
@@ -225,10 +273,10 @@ def test_abort_by_id(client):
     wait_for_free_blocks()
 
 
-def test_overload_is_resource_exhausted(client):
+def test_overload_is_resource_exhausted_with_retry_after(client):
     # More concurrent requests than max_num_seqs (16) + max_waiting_requests (40).
     streams = [client.generate(greedy_request(f"busy {i}", max_tokens=200)) for i in range(70)]
-    codes = []
+    codes, retry_after = [], []
 
     def drain(stream):
         try:
@@ -237,6 +285,8 @@ def test_overload_is_resource_exhausted(client):
             codes.append(grpc.StatusCode.OK)
         except grpc.RpcError as e:
             codes.append(e.code())
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                retry_after.append((dict(e.trailing_metadata() or ()).get("retry-after"), e.details()))
 
     threads = [threading.Thread(target=drain, args=(s,)) for s in streams]
     for t in threads:
@@ -245,6 +295,9 @@ def test_overload_is_resource_exhausted(client):
         t.join(timeout=120)
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
     assert codes.count(grpc.StatusCode.OK) >= 16
+    assert all(seconds == "1" and details.endswith("(retry after 1 s)") for seconds, details in retry_after), (
+        retry_after
+    )
     wait_for_free_blocks()
 
 

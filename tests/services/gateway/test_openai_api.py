@@ -10,8 +10,17 @@ import openai
 import pytest
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.api.tokenizer import load_tokenizer
+from baton.services.gateway.request_limits import RequestLimits
 from testlib.baton_client import worker_stats
 from testlib.models import tiny_model
+
+from .beside import (
+    SMALL_REQUEST_MARGIN_S,
+    SMALL_REQUEST_MAX_MARGIN_S,
+    counter_value,
+    small_beside_big,
+    wait_for_counter,
+)
 
 pytestmark = pytest.mark.ray
 MODEL = "baton-tiny"
@@ -136,12 +145,15 @@ def test_unknown_model_is_404(client):
         client.completions.create(model="gpt-7", prompt="hi")
 
 
-def test_overload_is_429(baton_app):
-    codes = []
+def test_overload_is_429_with_retry_after(baton_app):
+    codes, retry_after = [], []
 
     def post(i):
         body = {"model": MODEL, "prompt": f"busy {i}", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-        codes.append(httpx.post(f"{baton_app.http_address}/v1/completions", json=body, timeout=120).status_code)
+        reply = httpx.post(f"{baton_app.http_address}/v1/completions", json=body, timeout=120)
+        codes.append(reply.status_code)
+        if reply.status_code == 429:
+            retry_after.append((reply.headers.get("retry-after"), reply.json()["error"].get("retry_after")))
 
     threads = [threading.Thread(target=post, args=(i,)) for i in range(70)]
     for t in threads:
@@ -149,9 +161,12 @@ def test_overload_is_429(baton_app):
     for t in threads:
         t.join(timeout=180)
     assert 429 in codes and codes.count(200) >= 16
+    assert set(retry_after) == {("1", 1)}, retry_after
 
 
-def test_client_disconnect_aborts_and_frees_blocks(baton_app):
+def test_client_disconnect_aborts_frees_blocks_and_counts_as_cancelled(baton_app):
+    counted = {"finish_reason": "cancelled", "api": "http"}
+    before = counter_value(baton_app.metrics_address, "baton_requests_total", **counted)
     body = {
         "model": MODEL,
         "prompt": "a long story",
@@ -170,3 +185,33 @@ def test_client_disconnect_aborts_and_frees_blocks(baton_app):
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
+    after = wait_for_counter(baton_app.metrics_address, "baton_requests_total", before + 1, **counted)
+    print(f"\nbaton_requests_total{{finish_reason=cancelled,api=http}}: {before} -> {after}")
+    assert after >= before + 1
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_10mb_body_is_413_and_holds_no_one_up(baton_app, client, chunked):
+    """A 10 MB body gets a 413 naming the limit (from its Content-Length, or counted as it
+    streams in); small completions sent meanwhile take about as long as alone."""
+    limit = RequestLimits().max_request_bytes
+    body = b'{"model": "baton-tiny", "prompt": "' + b"z" * (10 * 1024 * 1024) + b'"}'
+    url = f"{baton_app.http_address}/v1/completions"
+
+    def big():
+        content = (body[i : i + 2**20] for i in range(0, len(body), 2**20)) if chunked else body
+        return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60)
+
+    def small():
+        reply = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert reply.status_code == 200, reply.text
+
+    measured = small_beside_big(small, big)
+    measured.report(f"HTTP body of 10 MB ({'chunked' if chunked else 'Content-Length'})")
+    for reply in measured.big_results:
+        assert isinstance(reply, httpx.Response) and reply.status_code == 413, reply
+        error = reply.json()["error"]
+        assert error["code"] == 413 and f"limit of {limit} bytes (server.limits.max_request_bytes)" in error["message"]
+    assert len(measured.during_s) >= 5
+    assert measured.added_p50_s < SMALL_REQUEST_MARGIN_S
+    assert max(measured.during_s) < max(measured.baseline_s) + SMALL_REQUEST_MAX_MARGIN_S
