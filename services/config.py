@@ -28,6 +28,7 @@ from .gateway.api_keys import AuthConfig
 from .gateway.request_limits import RequestLimits
 from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
+from .workers.admission import AdmissionLimits
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -111,13 +112,51 @@ class GatewayConfig(DeploymentConfig):
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests a replica handles at once")
 
 
+# Calls a replica takes beyond what its engine holds: they reach admission control and get its
+# 429 (naming the bound) rather than waiting unseen in a caller's handle.
+ADMISSION_HEADROOM = 32
+
+
 class EngineDeploymentConfig(DeploymentConfig):
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Engine settings for this role only, e.g. {scheduler: {max_num_seqs: 64}}"
     )
+    # Admission control (services/workers/admission.py): a request over any bound gets 429 /
+    # RESOURCE_EXHAUSTED with Retry-After, before the engine sees it.
     max_waiting_requests: int = Field(
-        512, ge=1, description="Overload bound: beyond this many queued requests, new ones get 429 / RESOURCE_EXHAUSTED"
+        512, ge=1, description="Overload bound: beyond this many requests waiting to start, new ones get 429"
     )
+    max_waiting_prompt_tokens: int | None = Field(
+        None, ge=1, description="Overload bound on the prompt tokens waiting for prefill (None: none)"
+    )
+    max_queue_delay_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="Overload bound on a new request's estimated wait to start (its TTFT's queueing part); None: none",
+    )
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Requests a replica takes at once (None: more than its engine holds, max_num_seqs + "
+        "max_waiting_requests, so the backlog waits where admission control and the gauges see it and a call "
+        "over the bound is refused there)",
+    )
+    max_queued_requests: int = Field(
+        128,
+        ge=-1,
+        description="Calls a gateway's handle queues for this deployment while every replica is full "
+        "(then 429); -1: no bound",
+    )
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_waiting_requests, self.max_waiting_prompt_tokens, self.max_queue_delay_s)
+
+    def engine_serve_options(self, max_num_seqs: int) -> dict[str, Any]:
+        options = self.serve_options()
+        held = max_num_seqs + self.max_waiting_requests
+        options["max_ongoing_requests"] = self.max_ongoing_requests or held + ADMISSION_HEADROOM
+        options["max_queued_requests"] = self.max_queued_requests
+        return options
 
 
 class RouterSection(BaseModel):

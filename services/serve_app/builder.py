@@ -93,7 +93,8 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
     from ..router.serve_request_router import BatonRequestRouter, PowerOfTwoRequestRouter, RoundRobinRequestRouter
 
     section = config.deployment(role)
-    options = section.serve_options()
+    engine_config = config.engine_config(role)
+    options = section.engine_serve_options(engine_config.scheduler.max_num_seqs)
     choice = replica_choice(config)
     if choice == "prefix_aware":
         options["request_router_config"] = RequestRouterConfig(
@@ -109,7 +110,7 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
         EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options, **stop_options
     )
     return deployment.bind(
-        role, config.engine_config(role), config.served_model_name, router_config, section.max_waiting_requests
+        role, engine_config, config.served_model_name, router_config, section.admission_limits()
     )
 
 

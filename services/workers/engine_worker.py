@@ -27,8 +27,9 @@ from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
-from ..serving_errors import ServerOverloadedError, quiet_rejections
+from ..serving_errors import quiet_rejections
 from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
+from .admission import Admission, AdmissionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,13 @@ class EngineWorker:
         engine_config: EngineConfig,
         served_model_name: str,
         router_config: RouterConfig | None = None,
-        max_waiting_requests: int = 512,
+        admission: AdmissionLimits | None = None,
         replica_id: str | None = None,
     ) -> None:
         quiet_rejections()  # a request the engine refuses is one log line here, not Serve's traceback
         self.role = role
         self.served_model_name = served_model_name
-        self.max_waiting_requests = max_waiting_requests
+        self.admission = Admission(admission or AdmissionLimits())
         self.agent: WorkerAgent | None = None
         serve_name, serve_address = _serve_identity()
         address = replica_id or serve_address or f"local-{uuid.uuid4().hex[:8]}"
@@ -82,43 +83,55 @@ class EngineWorker:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; if the caller goes away, the request is aborted."""
-        self._check_capacity()
-        stream = self.llm.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
+        self._admit(call)
         try:
-            async for output in stream.merged(call.params.output_kind):
-                yield output
+            stream = self.llm.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
+            try:
+                async for output in stream.merged(call.params.output_kind):
+                    self.admission.started(call.request_id)
+                    yield output
+            finally:
+                await stream.aclose()
         finally:
-            await stream.aclose()
+            self.admission.left(call.request_id)
 
     async def prefill(self, call: GenerateCall) -> RequestOutput:
         """Prefill role: runs the prompt and samples the first token. When the request goes
         on, the prompt's blocks stay leased and the output's `kv_transfer_params` say where."""
-        self._check_capacity()
+        self._admit(call)
         params = dataclasses.replace(call.params, output_kind=RequestOutputKind.FINAL_ONLY)
-        stream = self.llm.add_request(
-            call.request_id, call.prompt_token_ids, params, call.cache_salt, handover=Handover.prefill()
-        )
         try:
-            async for output in stream:
-                if output.finished:
-                    return output
+            stream = self.llm.add_request(
+                call.request_id, call.prompt_token_ids, params, call.cache_salt, handover=Handover.prefill()
+            )
+            try:
+                async for output in stream:
+                    if output.finished:
+                        self.admission.started(call.request_id)
+                        return output
+            finally:
+                await stream.aclose()
         finally:
-            await stream.aclose()
+            self.admission.left(call.request_id)
         raise RuntimeError(f"prefill of {call.request_id} ended without output")
 
     async def decode(self, decode: DecodeCall) -> AsyncIterator[RequestOutput]:
         """Decode role: receives the prompt's K/V from the prefill worker (or recomputes it if
         the transfer fails) and streams the tokens after the first."""
-        self._check_capacity()
         call = decode.call
-        stream = self.llm.add_request(
-            call.request_id, call.prompt_token_ids, call.params, call.cache_salt, handover=decode.handover
-        )
+        self._admit(call)
         try:
-            async for output in stream.merged(call.params.output_kind):
-                yield output
+            stream = self.llm.add_request(
+                call.request_id, call.prompt_token_ids, call.params, call.cache_salt, handover=decode.handover
+            )
+            try:
+                async for output in stream.merged(call.params.output_kind):
+                    self.admission.started(call.request_id)
+                    yield output
+            finally:
+                await stream.aclose()
         finally:
-            await stream.aclose()
+            self.admission.left(call.request_id)
 
     async def set_kv_faults(self, faults: FaultInjection) -> None:
         """Fault injection on this worker's KV sends (see Executor.set_kv_faults)."""
@@ -182,13 +195,9 @@ class EngineWorker:
                 return
             exporter.export(llm.stats())
 
-    def _check_capacity(self) -> None:
-        stats = self.llm.stats()
-        queued = self.llm.num_open_requests - stats.num_running
-        if queued >= self.max_waiting_requests:
-            raise ServerOverloadedError(
-                f"worker {self.worker_id} has {queued} queued requests (limit {self.max_waiting_requests}); retry later"
-            )
+    def _admit(self, call: GenerateCall) -> None:
+        """Admission control (workers/admission.py); a shed request never reaches the engine."""
+        self.admission.admit(call.request_id, len(call.prompt_token_ids), self.llm.stats(), self.worker_id)
 
 
 def _in_ray() -> bool:

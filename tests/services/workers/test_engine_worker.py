@@ -13,6 +13,7 @@ from baton.services.engine.config import EngineConfig
 from baton.services.kv_transfer.config import FaultInjection
 from baton.services.serving_errors import ServerOverloadedError
 from baton.services.worker_calls import DecodeCall, GenerateCall
+from baton.services.workers.admission import AdmissionLimits
 from baton.services.workers.engine_worker import EngineWorker
 
 PROMPT = list(range(100, 150))
@@ -86,9 +87,10 @@ async def test_a_one_token_request_ends_on_the_prefill_worker(workers):
 
 
 async def test_a_full_queue_is_refused_with_the_numbers(workers):
-    worker = workers("colocated", max_waiting_requests=0)
-    with pytest.raises(ServerOverloadedError, match=r"has 0 queued requests \(limit 0\)"):
+    worker = workers("colocated", admission=AdmissionLimits(max_waiting_requests=0))
+    with pytest.raises(ServerOverloadedError, match=r"has 0 requests waiting to start \(limit 0\)"):
         await collect(worker.generate(call("full")))
+    assert (await worker.check_integrity()).num_running == 0
 
 
 async def test_fault_injection_needs_a_connector(workers):

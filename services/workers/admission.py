@@ -1,0 +1,111 @@
+"""Admission control on an engine replica: admit a request only if it can start soon.
+
+Every call that reaches a replica is judged here, before the engine sees it:
+
+    queued      admitted requests that have not produced their first output yet (prefill
+                side: the first token; decode side: the first token after the handover)
+    start rate  first outputs per second over the last `window_s`
+    wait        the longer of queued / start rate (how long the queue takes to drain) and
+                the age of the oldest queued request (a queue that is not draining at all)
+
+A request is shed (ServerOverloadedError: 429 / RESOURCE_EXHAUSTED with Retry-After) when
+  - `wait` is over `max_queue_delay_s`: admitted requests then start within about that
+    long, so their TTFT stays near it under any overload instead of growing with the backlog;
+  - the queued requests reach `max_waiting_requests`, or the engine's waiting prompt tokens
+    would pass `max_waiting_prompt_tokens` (bounds that hold even while the rate estimate is
+    new).
+Retry-After is the estimated wait beyond the bound, at least a second.
+
+The replica's Serve `max_ongoing_requests` is set above what the engine holds (running +
+waiting), so the backlog reaches this check and shows in the engine's gauges; what Serve
+still queues in a caller's handle is bounded by `max_queued_requests` (Serve's
+BackPressureError, also a 429).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine.stats import EngineStats
+from ..serving_errors import ServerOverloadedError
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_waiting_requests: int = 512
+    max_waiting_prompt_tokens: int | None = None  # None: no token bound
+    max_queue_delay_s: float | None = None  # None: no delay bound
+    window_s: float = 5.0  # how far back the start rate looks
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._queued: dict[str, float] = {}  # request id -> when admitted (insertion order: oldest first)
+        self._starts: deque[float] = deque()  # times of first outputs within the window
+        self.num_shed = 0
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    def admit(self, request_id: str, num_prompt_tokens: int, stats: EngineStats, worker_id: str) -> None:
+        """Admits `request_id` or raises ServerOverloadedError naming the bound it would pass."""
+        limits = self.limits
+        if self.num_queued >= limits.max_waiting_requests:
+            self._shed(
+                f"worker {worker_id} has {self.num_queued} requests waiting to start "
+                f"(limit {limits.max_waiting_requests})",
+                1.0,
+            )
+        tokens = limits.max_waiting_prompt_tokens
+        if (
+            tokens is not None
+            and stats.num_waiting_prefill_tokens
+            and stats.num_waiting_prefill_tokens + num_prompt_tokens > tokens
+        ):
+            self._shed(
+                f"worker {worker_id} has {stats.num_waiting_prefill_tokens} prompt tokens waiting "
+                f"(limit {tokens}, this request adds {num_prompt_tokens})",
+                1.0,
+            )
+        if limits.max_queue_delay_s is not None:
+            wait = self.estimated_wait_s()
+            if wait > limits.max_queue_delay_s:
+                self._shed(
+                    f"worker {worker_id} would start this request in about {wait:.1f} s "
+                    f"(limit {limits.max_queue_delay_s:g} s)",
+                    wait - limits.max_queue_delay_s,
+                )
+        self._queued[request_id] = self._clock()
+
+    def started(self, request_id: str) -> None:
+        """Its first output came: it left the queue."""
+        if self._queued.pop(request_id, None) is not None:
+            self._starts.append(self._clock())
+
+    def left(self, request_id: str) -> None:
+        """It ended (or was cancelled) without a first output."""
+        self._queued.pop(request_id, None)
+
+    def estimated_wait_s(self) -> float:
+        if not self._queued:
+            return 0.0
+        now = self._clock()
+        while self._starts and self._starts[0] < now - self.limits.window_s:
+            self._starts.popleft()
+        oldest_age = now - next(iter(self._queued.values()))
+        if not self._starts:
+            return oldest_age
+        span = max(now - self._starts[0], 1e-3)
+        rate = len(self._starts) / min(span, self.limits.window_s) if len(self._starts) > 1 else 1.0 / span
+        return max(len(self._queued) / rate, oldest_age)
+
+    def _shed(self, message: str, retry_after_s: float) -> None:
+        self.num_shed += 1
+        raise ServerOverloadedError(f"{message}; retry later", retry_after_s=max(1.0, math.ceil(retry_after_s)))
