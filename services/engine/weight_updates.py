@@ -223,7 +223,12 @@ class WeightUpdates:
 
     def _apply(self, fn: Callable[[ModelRank], None], weight_version: str | None, reset: bool) -> str:
         self.stash_outputs()  # tokens produced so far report the version that produced them
-        self.core.executor.run_on_ranks(fn)  # raises before any rank wrote, when refused
+        try:
+            self.core.executor.run_on_ranks(fn)  # a refused update raises before any rank writes
+        except Exception:
+            # A trainer lost part-way leaves the ranks' weights released (rank_weights.py).
+            self.weights_released = any(self.core.executor.run_on_ranks(_is_released))
+            raise
         self.weights_released = False
         self.core.scheduler.preempt_running()
         if reset:
@@ -266,6 +271,10 @@ def _restore_kv_cache(rank: ModelRank) -> None:
 
 def _release_weights(rank: ModelRank) -> None:
     rank.weights.release()
+
+
+def _is_released(rank: ModelRank) -> bool:
+    return rank.weights.is_released
 
 
 def _memory_bytes(rank: ModelRank) -> tuple[int, int]:

@@ -53,7 +53,7 @@ class ParallelLMHead(VocabParallelEmbedding, CpuPackable):
         self.packed_weight = pack_weight_for_cpu(self.weight)
         return self.packed_weight is not None
 
-    def unpack_for_loading(self) -> None:
+    def unpack_for_loading(self, keep_values: bool = True) -> None:
         self.packed_weight = None  # stale once the dense weight changes; repacked after loading
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,11 @@ class CpuPackable(ABC):
     def pack_for_cpu(self) -> bool: ...
 
     @abstractmethod
-    def unpack_for_loading(self) -> None: ...
+    def unpack_for_loading(self, keep_values: bool = True) -> None:
+        """Dense again; `keep_values=False` when the update overwrites the whole weight
+        (no copy out of the packed layout)."""
+
+    num_weight_shards = 1  # checkpoint tensors that make up the weight (q, k, v: 3)
 
 
 def packable_modules(model: nn.Module) -> list[nn.Module]:
@@ -78,10 +82,12 @@ def _pack_parameter(module: nn.Module) -> bool:
     return True
 
 
-def _unpack_parameter(module: nn.Module) -> None:
+def _unpack_parameter(module: nn.Module, keep_values: bool) -> None:
     """Back to a dense parameter with its loader (the packed one has neither)."""
-    if module.weight.layout == torch._mkldnn:
-        module.weight = nn.Parameter(module.weight.to_dense(), requires_grad=False)
+    weight = module.weight
+    if weight.layout == torch._mkldnn:
+        dense = weight.to_dense() if keep_values else torch.empty(weight.shape, dtype=weight.dtype)
+        module.weight = nn.Parameter(dense, requires_grad=False)
         module.weight.weight_loader = module.weight_loader
 
 
@@ -107,6 +113,7 @@ class ColumnParallelLinear(nn.Module, CpuPackable):
         self.tp = tp
         # Each logical output (e.g. gate and up) is split separately, then concatenated.
         self.shard_sizes = [_divide(size, tp.world_size, "linear output size") for size in output_sizes]
+        self.num_weight_shards = len(output_sizes)
         self.weight = _param(sum(self.shard_sizes), input_size, dtype=dtype, device=device)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -123,8 +130,8 @@ class ColumnParallelLinear(nn.Module, CpuPackable):
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
 
-    def unpack_for_loading(self) -> None:
-        _unpack_parameter(self)
+    def unpack_for_loading(self, keep_values: bool = True) -> None:
+        _unpack_parameter(self, keep_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -198,8 +205,8 @@ class RowParallelLinear(nn.Module, CpuPackable):
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
 
-    def unpack_for_loading(self) -> None:
-        _unpack_parameter(self)
+    def unpack_for_loading(self, keep_values: bool = True) -> None:
+        _unpack_parameter(self, keep_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight))

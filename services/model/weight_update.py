@@ -1,9 +1,10 @@
 """Weight updates on a loaded model: check everything, then write through the loader's path.
 
     check_update(layout, arch, shapes, complete)   raises before anything is written
-    with writable_weights(model, names, impl):     unpacks the oneDNN-packed weights touched
-        load_tensors(model, tensors)               the loader's per-tensor, per-shard path
-                                                   (repacked on exit; tied heads stay tied)
+    writer = WeightWriter(model, names, impl)      unpacks the oneDNN-packed layers touched
+    writer.write(tensors) ... writer.close()       the loader's per-tensor, per-shard path;
+                                                   layers repacked once complete; tied heads
+                                                   stay tied
     release_weights(model) / restore_weights(...)  frees the weights' memory (sleep level 2)
 
 An update must match the checkpoint the model was loaded from (`CheckpointLayout`): same
@@ -13,8 +14,7 @@ cast as they are copied in, exactly as at start-up.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ from .config import ModelArch
 from .embedding import ParallelLMHead
 from .errors import ModelLoadError
 from .linear import CpuPackable, packable_modules, process_weights_after_loading
-from .loader import CheckpointLayout
+from .loader import CheckpointLayout, load_tensor
+from .weights import LoadedWeight
 
 # Fields that shape the model but are not weights: an update cannot change them.
 _FIXED_ARCH_FIELDS = (
@@ -83,22 +84,53 @@ def check_update(
             )
 
 
-@contextlib.contextmanager
-def writable_weights(model: nn.Module, names: Iterable[str], impl: str) -> Iterator[None]:
-    """Unpacks the packed layers that `names` write into, and repacks them afterwards."""
-    modules = _touched_modules(model, names)
-    for module in modules:
-        module.unpack_for_loading()
-    try:
-        yield
-    finally:
-        process_weights_after_loading(model, impl, modules)
+class WeightWriter:
+    """Writes an update's tensors in one batch or several (buckets, as they arrive).
+
+    It unpacks every packed layer the update touches first (copying the old values out
+    only where the update fills just part of a merged weight, e.g. q_proj of qkv), and
+    repacks each layer as soon as its last tensor is in, so repacking overlaps whatever
+    produces the next batch. `close` repacks the rest, also after an error.
+    """
+
+    def __init__(self, model: nn.Module, names: Iterable[str], impl: str) -> None:
+        self.model = model
+        self.impl = impl
+        self._layer_of: dict[str, nn.Module] = {}
+        self._remaining: dict[nn.Module, int] = {}
+        for name in names:
+            layer = _packable_layer(model, name)
+            if layer is not None:
+                self._layer_of[name] = layer
+                self._remaining[layer] = self._remaining.get(layer, 0) + 1
+        for layer, count in self._remaining.items():
+            layer.unpack_for_loading(keep_values=count < layer.num_weight_shards)
+        self.params = dict(model.named_parameters())  # after unpacking: new parameter objects
+
+    def write(self, tensors: Iterable[tuple[str, LoadedWeight]]) -> None:
+        done = []
+        for name, tensor in tensors:
+            load_tensor(self.model, self.params, name, tensor)
+            layer = self._layer_of.get(name)
+            if layer is not None:
+                self._remaining[layer] -= 1
+                if self._remaining[layer] == 0:
+                    done.append(layer)
+        self._repack(done)
+
+    def close(self) -> None:
+        self._repack([layer for layer, count in self._remaining.items() if count > 0])
+
+    def _repack(self, layers: list[nn.Module]) -> None:
+        for layer in layers:
+            self._remaining[layer] = -1  # packed: not again
+        process_weights_after_loading(self.model, self.impl, layers)
 
 
 def release_weights(model: nn.Module) -> dict[str, torch.Size]:
     """Frees every parameter's memory (the parameters stay, empty); returns their shapes."""
     for module in packable_modules(model):
-        module.unpack_for_loading()
+        module.unpack_for_loading(keep_values=False)
     shapes = {}
     for name, param in model.named_parameters():  # a tied parameter once
         shapes[name] = param.shape
@@ -121,15 +153,14 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def _touched_modules(model: nn.Module, names: Iterable[str]) -> list[CpuPackable]:
-    modules: dict[str, nn.Module] = {}
-    for name in names:
-        target, _ = model.checkpoint_target(name)
-        path = target.rpartition(".")[0]
-        if target == _EMBEDDING and model.arch.tie_word_embeddings:
-            path = "lm_head"  # the head's packed copy is of the embedding it is tied to
-        with contextlib.suppress(AttributeError):  # not a module path: check_update names it
-            module = model.get_submodule(path)
-            if isinstance(module, CpuPackable):
-                modules[path] = module
-    return list(modules.values())
+def _packable_layer(model: nn.Module, name: str) -> CpuPackable | None:
+    """The packed layer a checkpoint tensor writes into, if any."""
+    target, _ = model.checkpoint_target(name)
+    path = target.rpartition(".")[0]
+    if target == _EMBEDDING and model.arch.tie_word_embeddings:
+        path = "lm_head"  # the head's packed copy is of the embedding it is tied to
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:  # not a module path: check_update names it
+        return None
+    return layer if isinstance(layer, CpuPackable) and target.endswith(".weight") else None

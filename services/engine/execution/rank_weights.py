@@ -8,24 +8,25 @@ tied LM head stays tied. The engine core drives these between steps, on every ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from ...model.config import ModelArch, load_model_arch
 from ...model.errors import ModelLoadError
-from ...model.loader import CheckpointLayout, iter_checkpoint, load_tensors
+from ...model.loader import CheckpointLayout, iter_checkpoint
 from ...model.weight_update import (
+    WeightWriter,
     check_same_architecture,
     check_update,
     release_weights,
     restore_weights,
     weight_bytes,
-    writable_weights,
 )
-from ...model.weights import shape_of
-from .weight_sync import WeightSyncGroup, plan_buckets, receive_weights
+from ...model.weights import LoadedWeight, shape_of
+from .weight_sync import WeightSyncGroup, plan_buckets, receive_buckets
 
 
 class RankWeights:
@@ -59,14 +60,14 @@ class RankWeights:
             check_update(self.layout, self.arch, shapes, complete=True)
         except ModelLoadError as e:
             raise ModelLoadError(f"{source}: {e}") from e
-        self._write(shapes, iter_checkpoint(path))
+        self._write(shapes, [iter_checkpoint(path)])
 
     def update_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         shapes = {name: tuple(tensor.shape) for name, tensor in named_tensors}
         if len(shapes) != len(named_tensors):
             raise ModelLoadError("a tensor name is given twice")
         self._check(shapes)
-        self._write(shapes, named_tensors)
+        self._write(shapes, [named_tensors])
 
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -85,12 +86,20 @@ class RankWeights:
         group_name: str | None,
         bucket_bytes: int,
     ) -> None:
-        """Receives every bucket first, then writes: a trainer that fails mid-way leaves the
-        weights as they were (at the cost of holding one copy of the update meanwhile)."""
+        """Writes each bucket as it arrives, while the next one is received. Names and shapes
+        are checked first, then the trainer's bucket plan: either refusal changes nothing."""
         group = self._group(group_name)
         self._check({name: tuple(shape) for name, shape in zip(names, shapes, strict=True)})
-        received = receive_weights(group, plan_buckets(names, dtypes, shapes, bucket_bytes))
-        self._write({name: () for name in names}, received)
+        buckets = receive_buckets(group, plan_buckets(names, dtypes, shapes, bucket_bytes))
+        first = next(buckets, [])  # the trainer's plan is checked here, before any write
+        try:
+            self._write(names, itertools.chain([first], buckets))
+        except Exception:
+            # Buckets are written as they arrive: a transfer that breaks part-way leaves
+            # no consistent weights, so they are released (as by sleep(2)) until a
+            # complete update.
+            self.release()
+            raise
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
@@ -118,9 +127,13 @@ class RankWeights:
     def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         check_update(self.layout, self.arch, shapes, complete=self.is_released)
 
-    def _write(self, shapes: dict[str, tuple[int, ...]], tensors) -> None:
+    def _write(self, names: Iterable[str], batches: Iterable[Iterable[tuple[str, LoadedWeight]]]) -> None:
         if self._released is not None:
             restore_weights(self.model, self._released)
             self._released = None
-        with writable_weights(self.model, shapes, self.kernel_impl):
-            load_tensors(self.model, tensors)
+        writer = WeightWriter(self.model, names, self.kernel_impl)
+        try:
+            for batch in batches:
+                writer.write(batch)
+        finally:
+            writer.close()

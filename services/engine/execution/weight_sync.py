@@ -15,10 +15,12 @@ the buckets' bytes cross the wire:
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,9 +109,13 @@ class WeightSyncGroup:
         self.process_group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """Starts the broadcast; the returned work's `wait()` ends it (keep `tensor` alive)."""
         options = dist.BroadcastOptions()
         options.rootRank = src
-        self.process_group.broadcast([tensor], options).wait()
+        return self.process_group.broadcast([tensor], options)
 
     def destroy(self) -> None:
         self.process_group = None
@@ -122,8 +128,10 @@ def _plan_header(buckets: Sequence[Bucket]) -> torch.Tensor:
     return torch.tensor([len(buckets), sum(b.numel for b in buckets), sum(len(b.entries) for b in buckets)])
 
 
-def receive_weights(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> list[tuple[str, torch.Tensor]]:
-    """Engine side: every bucket from rank 0, as (name, view into its bucket)."""
+def receive_buckets(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Engine side: each bucket from rank 0 in turn, as (name, view into the bucket). The
+    next bucket is already being received while the caller writes this one (two in flight
+    at most, so a rank holds two buckets, not a second copy of the model)."""
     expected = _plan_header(buckets)
     header = torch.empty_like(expected)
     group.broadcast(header, src=0)
@@ -133,28 +141,43 @@ def receive_weights(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> list[t
             f"{header.tolist()}, this engine planned {expected.tolist()}: pass the trainer's "
             "names, dtypes, shapes and bucket_bytes to update_weights_from_distributed"
         )
-    received = []
-    for bucket in buckets:
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-        group.broadcast(flat, src=0)
-        received.extend((e.name, flat[e.offset : e.offset + e.numel].view(e.shape)) for e in bucket.entries)
-    return received
+    pending = iter(buckets)
+    in_flight: collections.deque[tuple[Bucket, torch.Tensor, Any]] = collections.deque()
+
+    def post() -> None:
+        bucket = next(pending, None)
+        if bucket is not None:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            in_flight.append((bucket, flat, group.broadcast_async(flat, src=0)))
+
+    post()
+    while in_flight:
+        post()
+        bucket, flat, work = in_flight.popleft()
+        work.wait()
+        yield [(e.name, flat[e.offset : e.offset + e.numel].view(e.shape)) for e in bucket.entries]
 
 
 def broadcast_weights(
     group: WeightSyncGroup, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> None:
     """Trainer side (rank 0): sends `named_tensors` in the plan the engine derives from
-    `describe(named_tensors)` and the same `bucket_bytes`."""
+    `describe(named_tensors)` and the same `bucket_bytes`. It flattens the next bucket while
+    the previous one is on the wire."""
     tensors = dict(named_tensors)
     buckets = plan_buckets(*describe(named_tensors), bucket_bytes)
     group.broadcast(_plan_header(buckets), src=0)
+    in_flight: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
     for bucket in buckets:
         if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
             flat = tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
         else:
             flat = torch.cat([tensors[e.name].detach().to("cpu").reshape(-1) for e in bucket.entries])
-        group.broadcast(flat, src=0)
+        in_flight.append((flat, group.broadcast_async(flat, src=0)))
+        if len(in_flight) > 1:
+            in_flight.popleft()[1].wait()
+    for _, work in in_flight:
+        work.wait()
 
 
 def describe(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
