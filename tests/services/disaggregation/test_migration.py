@@ -219,3 +219,35 @@ def test_a_replica_that_misses_its_heartbeats_is_fenced_off(deployment, client, 
             break
     assert stopped_worker in placed, placed
     settle("decode")
+
+
+def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offline):
+    """Serve stops the replica it removes only after its streams finished (its graceful
+    shutdown), and the worker deregisters from the router as it stops."""
+    from baton.services.router.router import PrefixRouter
+    from baton.services.serve_app.builder import build_app
+    from ray import serve
+
+    wait_for_replicas("decode", 2)
+    settle("decode")
+    streams = Streams(client, PROMPTS)
+    streams.first_token.wait()
+    config = deployment.config
+    scaled = config.model_copy(update={"decode": config.decode.model_copy(update={"num_replicas": 1})})
+    serve.run(build_app(scaled), name=config.name, route_prefix="/")
+    streams.join()
+    assert not streams.errors, streams.errors
+    assert streams.tokens == {p: offline[p] for p in PROMPTS}
+    deadline = time.monotonic() + 60
+    while len(replica_pids("decode")) > 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    router = PrefixRouter.from_config(config.router_config())
+    gone_at = time.monotonic()
+    while len(router.route_decode("probe", 8, record=False).ranked) > 1:  # well before its heartbeat lapses
+        assert time.monotonic() - gone_at < 1.0
+        time.sleep(0.05)
+    settle_one = serve.get_deployment_handle("decode", app_name="baton").broadcast("integrity_report").results()
+    assert len(settle_one) == 1 and settle_one[0][2].num_free_kv_blocks == settle_one[0][2].num_kv_blocks
+    serve.run(build_app(config), name=config.name, route_prefix="/")  # back to 2 for the tests after
+    wait_for_replicas("decode", 2)
