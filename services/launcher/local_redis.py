@@ -9,9 +9,11 @@ no persistence, supervised for the life of the server.
                 workers notice, register again and republish their blocks (worker_agent.py)
     stop        idempotent; no restart after it, even one already under way
 
-Every server is started under `setpriv --pdeathsig TERM` where util-linux has it: the kernel
-sends it SIGTERM when the thread that started it (the supervisor) dies, so a `kill -9` of
-`baton serve`, or any exit that skips `stop`, still leaves no redis-server behind.
+Every server runs in a process group of its own (in the same session): Ctrl-C signals the
+terminal's foreground group, and Redis must outlive the drain that follows, not die with the
+keystroke and be restarted. It is started under `setpriv --pdeathsig TERM` where util-linux
+has it: the kernel sends it SIGTERM when the thread that started it (the supervisor) dies, so
+a `kill -9` of `baton serve`, or any exit that skips `stop`, still leaves no redis-server.
 """
 
 from __future__ import annotations
@@ -157,7 +159,11 @@ class LocalRedis:
                 raise RuntimeError("the local redis-server is stopping")
             with self.log_path.open("a") as log:
                 self._process = subprocess.Popen(
-                    self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    self._command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0,  # a terminal's Ctrl-C reaches `baton serve`, which stops it in order
                 )
         self._wait_ready(self._process)
 

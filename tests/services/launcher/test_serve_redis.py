@@ -132,3 +132,24 @@ def test_sigterm_leaves_no_redis_server(server):
     assert server.process.wait(timeout=TEARDOWN_S) == 0, server.text()
     assert is_gone(pid)
     wait_until(lambda: not session_pids(server.session_id), timeout_s=10, what="the session to be empty")
+
+
+def test_ctrl_c_stops_in_order_and_redis_outlives_the_drain(workdir):
+    """Ctrl-C signals the terminal's whole foreground process group: Redis, in a group of its
+    own, must not die with it and be restarted, but be stopped by `baton serve` at the end."""
+    (workdir / "ctrl-c").mkdir()
+    serve = BatonServe(workdir / "ctrl-c", tiny_model("llama"), 5)
+    try:
+        serve.wait_ready()
+        pid = redis_pid_of(serve)
+        assert pid is not None
+        os.killpg(serve.process.pid, signal.SIGINT)  # what the terminal does (it leads its group)
+        # Ray's processes share the group and get the SIGINT too: its stop may take longer.
+        assert serve.process.wait(timeout=2 * TEARDOWN_S) == 0, serve.text()
+        text = serve.text()
+        assert "SIGINT: stopping" in text and "local_redis" not in text, text  # no death, no restart logged
+        assert is_gone(pid)
+        wait_until(lambda: not session_pids(serve.session_id), timeout_s=10, what="the session to be empty")
+    finally:
+        if serve.process.poll() is None or session_pids(serve.session_id):
+            serve.kill_session()
