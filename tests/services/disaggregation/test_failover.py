@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
@@ -77,6 +78,19 @@ def attempt(client: BatonClient) -> tuple[float, list[int] | grpc.RpcError, str]
     return time.monotonic() - start, tokens, kv_path
 
 
+def refused_over_http(deployment) -> httpx.Response:
+    """The first HTTP answer while the decode replica is gone (a 503, once the gateway knows)."""
+    body = {"model": "baton-tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    for _ in range(50):
+        start = time.monotonic()
+        response = httpx.post(f"{deployment.http_address}/v1/completions", json=body, timeout=30)
+        if response.status_code != 200:
+            assert time.monotonic() - start < 5.0
+            return response
+        time.sleep(0.1)
+    raise AssertionError("never refused")
+
+
 def until_served(client: BatonClient, expected: list[int], timeout_s: float = 120) -> list[tuple[float, object]]:
     """Requests one after another until one succeeds; every answer before it is checked."""
     answers, start = [], time.monotonic()
@@ -95,6 +109,7 @@ def test_with_the_decode_replica_gone_requests_get_unavailable_at_once(deploymen
     (victim,) = replica_pids("decode")
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
+    http = refused_over_http(deployment)
     answers = until_served(client, expected)
     recovered_s = time.monotonic() - killed_at
     refusals = [(s, r) for s, r in answers if isinstance(r, grpc.RpcError)]
@@ -107,6 +122,8 @@ def test_with_the_decode_replica_gone_requests_get_unavailable_at_once(deploymen
     # The first request can meet the death itself (its call fails); every later one is refused up front.
     assert all(s < ANSWER_BOUND_S for s, _ in refusals[1:]), refusals
     assert refusals[0][0] < 5.0, refusals[0]
+    assert http.status_code == 503 and int(http.headers["retry-after"]) >= 1, (http.status_code, http.text)
+    assert "no decode replica is running" in http.json()["error"]["message"]
 
 
 def test_with_the_prefill_replica_gone_requests_prefill_on_the_decode_side(deployment, client, expected):
