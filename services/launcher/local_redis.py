@@ -111,7 +111,7 @@ class LocalRedis:
             started.set_exception(e)
             return
         started.set_result(None)
-        restarts: collections.deque[float] = collections.deque()
+        restarts: collections.deque[float] = collections.deque()  # when each restart began, in the window
         while True:
             process = self._process
             status = process.wait()  # blocks until it dies: reaped and noticed at once
@@ -125,25 +125,36 @@ class LocalRedis:
                 describe_exit(status),
                 self.log_path,
             )
+            if not self._restart(restarts):
+                return
+
+    def _restart(self, restarts: collections.deque[float]) -> bool:
+        """Starts the server again on its port, retrying one that does not come up (the port
+        taken meanwhile, say); False once the budget is spent or a stop came."""
+        while True:
             now = time.monotonic()
             while restarts and restarts[0] <= now - self.restart_window_s:
                 restarts.popleft()
             if len(restarts) >= self.max_restarts:
                 logger.error(
-                    "the local redis-server died %d times within %g s: not starting it again "
+                    "the local redis-server was restarted %d times within %g s: not starting it again "
                     "(the router places requests by load only until Redis is back)",
-                    len(restarts) + 1,
+                    len(restarts),
                     self.restart_window_s,
                 )
-                return
+                return False
             restarts.append(now)
             try:
                 self._start_server()
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:  # OSError: its folder or binary went away
+                if self._stopping.is_set():
+                    return False
                 logger.error("the local redis-server did not come back on port %d: %s", self.port, e)
                 if self._stopping.wait(RETRY_DELAY_S):
-                    return
-                continue  # its process has exited: the next wait() returns at once and retries
+                    return False
+                continue
+            if self._stopping.is_set():
+                return False
             self.num_restarts += 1
             logger.warning(
                 "the local redis-server is back on port %d (pid %d, restart %d); it starts empty and the "
@@ -152,6 +163,7 @@ class LocalRedis:
                 self._process.pid,
                 self.num_restarts,
             )
+            return True
 
     def _start_server(self) -> None:
         with self._lock:

@@ -72,6 +72,21 @@ def test_restarts_are_bounded_per_interval(local_redis, caplog):
     assert not redis_server_pids(local_redis.port)
 
 
+def test_a_restart_that_fails_is_retried_until_the_server_comes_up(tmp_path, caplog):
+    server = LocalRedis(tmp_path / "redis", max_restarts=50)
+    try:
+        (tmp_path / "redis").rename(tmp_path / "away")  # the running server does not mind; a new one cannot start
+        with caplog.at_level(logging.ERROR, logger="baton.services.launcher.local_redis"):
+            os.kill(server.pid, signal.SIGKILL)
+            wait_until(lambda: sum("did not come back" in r.getMessage() for r in caplog.records) >= 2, timeout_s=5)
+        (tmp_path / "away").rename(tmp_path / "redis")
+        wait_until(lambda: server.num_restarts == 1, timeout_s=5, what="the retried restart")
+        assert ping(server) and redis_server_pids(server.port) == [server.pid]
+    finally:
+        server.stop()
+    assert not redis_server_pids(server.port)
+
+
 def test_stop_leaves_nothing_and_nothing_restarts_after_it(tmp_path):
     server = LocalRedis(tmp_path / "redis")
     pid, port = server.pid, server.port
