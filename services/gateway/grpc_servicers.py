@@ -64,6 +64,7 @@ def add_service(service: ServiceDescriptor, servicer: Any, server: Any) -> None:
     """Registers every method of `service` as the generated code does, but with a tolerant
     request parser."""
     quiet_rejections()
+    _wrap_serves_handlers(server)
     handlers = {
         method.name: _method_handler(method, behaviour)
         for method in service.methods
@@ -98,6 +99,21 @@ def _method_handler(method: Any, behaviour: Callable) -> grpc.RpcMethodHandler:
         request_deserializer=tolerant_parser(request_class),
         response_serializer=response_class.SerializeToString,
     )
+
+
+def _wrap_serves_handlers(server: Any) -> None:
+    """Serve's gRPC proxy server replaces every handler registered on it with one its
+    `service_handler_factory` makes (keeping the request parser): the retry delay goes
+    around those. Other servers (grpc.aio's own, in tests) run the handlers given here."""
+    factory = getattr(server, "service_handler_factory", None)
+    if factory is None or getattr(factory, "baton_retry_after", False):
+        return
+
+    def retry_after_factory(*args, **kwargs):
+        return with_retry_after(factory(*args, **kwargs))
+
+    retry_after_factory.baton_retry_after = True
+    server.service_handler_factory = retry_after_factory
 
 
 def with_retry_after(behaviour: Callable) -> Callable:

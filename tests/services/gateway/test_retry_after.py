@@ -140,3 +140,27 @@ def test_a_cancel_is_cancelled_and_no_server_error(error):
 
 async def _drain(stream):
     return [response async for response in stream]
+
+
+async def test_serves_grpc_proxy_server_gets_the_delay_around_its_own_handlers():
+    """Serve's proxy server swaps the registered handlers for its factory's (grpc_util's
+    gRPCGenericServer): the delay is added around those."""
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    def factory(service_method: str, streaming_type):
+        proxy = ProxyLike("no replica (retry after 4 s)")
+        return proxy.Generate if "STREAM" in streaming_type.name.split("_", 1)[1] else proxy.Tokenize
+
+    server = gRPCGenericServer(factory)
+    add_inference_servicer_to_server(ProxyLike("unused"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            for rpc in (stub.Tokenize(pb.TokenizeRequest(text="x")), _drain(stub.Generate(pb.GenerateRequest()))):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await rpc
+                assert dict(info.value.trailing_metadata()).get("retry-after") == "4"
+    finally:
+        await server.stop(None)
