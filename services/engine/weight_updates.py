@@ -7,7 +7,10 @@ rank's update runs after its previous step and before its next one).
 Updates (names as SGLang's): `update_weights_from_disk(path)`, `..._from_tensors(named)`,
 `..._from_distributed(names, dtypes, shapes)` over a group made by
 `init_weights_update_group` (execution/weight_sync.py). Each rank checks every name and
-shape before writing any (a refused update changes nothing, version included), then:
+shape (and, from a trainer, its bucket plan) before writing any: a refused update changes
+nothing, version included. A trainer lost part-way through its buckets (they are written
+as they arrive) leaves the weights released, as after `sleep(2)`: requests are refused
+until a complete update. A successful update then:
 
   - running requests are preempted: they recompute their K/V on the new weights when next
     scheduled, so K/V of old weights is never read after an update;

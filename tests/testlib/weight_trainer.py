@@ -5,7 +5,8 @@
 Rank 0 of a gloo group on 127.0.0.1:PORT (group "rl"): it takes one SGD step of Hugging
 Face's model on a language-modelling loss, saves the result to OUT_DIR (so the test has a
 reference), writes OUT_DIR/update.json (names, dtypes, shapes), broadcasts the weights with
-Baton's bucketing, and leaves the group.
+Baton's bucketing, and leaves the group. With DIE_AFTER, it dies (exit 3) once that many
+broadcasts (the plan's header included) are done: a trainer lost mid-transfer.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from baton.services.engine.execution.weight_sync import WeightSyncGroup, broadca
 from transformers import AutoModelForCausalLM
 
 
-def main(model_dir: str, out_dir: str, port: int, world_size: int, bucket_bytes: int) -> None:
+def main(model_dir: str, out_dir: str, port: int, world_size: int, bucket_bytes: int, die_after: int | None) -> None:
     torch.manual_seed(0)
     group = WeightSyncGroup("127.0.0.1", port, 0, world_size, "rl", timeout_s=120)
+    if die_after is not None:
+        group.broadcast_async = _dying_after(group.broadcast_async, die_after)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = torch.randint(0, model.config.vocab_size, (4, 32))
     loss = model(input_ids=batch, labels=batch).loss
@@ -40,6 +43,19 @@ def main(model_dir: str, out_dir: str, port: int, world_size: int, bucket_bytes:
     group.destroy()
 
 
+def _dying_after(broadcast_async, num_broadcasts: int):
+    done = []
+
+    def broadcast(tensor, src=0):
+        if len(done) == num_broadcasts:
+            done[-1].wait()
+            os._exit(3)
+        done.append(broadcast_async(tensor, src))
+        return done[-1]
+
+    return broadcast
+
+
 if __name__ == "__main__":
-    model_dir, out_dir, port, world_size, bucket_bytes = sys.argv[1:]
-    main(model_dir, out_dir, int(port), int(world_size), int(bucket_bytes))
+    model_dir, out_dir, port, world_size, bucket_bytes, *die_after = sys.argv[1:]
+    main(model_dir, out_dir, int(port), int(world_size), int(bucket_bytes), int(die_after[0]) if die_after else None)

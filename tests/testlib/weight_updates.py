@@ -40,11 +40,14 @@ class Trainer:
     """A real trainer process (trainer_process.py): rank 0 of a gloo group, it takes a
     gradient step on `model_dir`, saves the result to `out_dir`, then broadcasts it."""
 
-    def __init__(self, model_dir: Path, out_dir: Path, world_size: int, bucket_bytes: int) -> None:
+    def __init__(
+        self, model_dir: Path, out_dir: Path, world_size: int, bucket_bytes: int, die_after: int | None = None
+    ) -> None:
         self.port = free_port()
         self.out_dir = out_dir
         self.world_size = world_size
         args = [str(model_dir), str(out_dir), str(self.port), str(world_size), str(bucket_bytes)]
+        args += [] if die_after is None else [str(die_after)]
         self.process = subprocess.Popen([sys.executable, str(TRAINER), *args])
 
     def metadata(self, timeout_s: float = 120.0) -> dict:
@@ -57,5 +60,5 @@ class Trainer:
             time.sleep(0.05)
         return json.loads(path.read_text())
 
-    def join(self) -> None:
-        assert self.process.wait(timeout=120) == 0
+    def join(self, returncode: int = 0) -> None:
+        assert self.process.wait(timeout=120) == returncode

@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
-
-import torch
 
 from ..config import EngineConfig
 from ..core.kv_events import KVEventPublisher
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError, InvalidRequestError
-from ..execution.weight_sync import DEFAULT_BUCKET_BYTES
 from ..stats import EngineStats
-from ..weight_updates import PauseMode
+from ..weight_updates import PauseMode, WeightUpdates
 from .handover import Handover
 from .outputs import RequestOutput, merge_deltas
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -218,46 +216,24 @@ class AsyncLLM:
     def weight_version(self) -> str:
         return self.core.weights.weight_version
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None, **kwargs: Any) -> str:
-        return await self.run_in_engine(lambda c: c.weights.update_weights_from_disk(path, weight_version, **kwargs))
+    # Signatures and docs are WeightUpdates' own (functools.wraps), written once there.
 
-    async def update_weights_from_tensors(
-        self, named_tensors: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None, **kwargs: Any
-    ) -> str:
-        return await self.run_in_engine(
-            lambda c: c.weights.update_weights_from_tensors(named_tensors, weight_version, **kwargs)
-        )
+    @functools.wraps(WeightUpdates.update_weights_from_disk)
+    async def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> str:
+        return await self.run_in_engine(lambda c: c.weights.update_weights_from_disk(*args, **kwargs))
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-    ) -> None:
-        await self.run_in_engine(
-            lambda c: c.weights.init_weights_update_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend
-            )
-        )
+    @functools.wraps(WeightUpdates.update_weights_from_tensors)
+    async def update_weights_from_tensors(self, *args: Any, **kwargs: Any) -> str:
+        return await self.run_in_engine(lambda c: c.weights.update_weights_from_tensors(*args, **kwargs))
 
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[torch.dtype | str],
-        shapes: Sequence[Sequence[int]],
-        weight_version: str | None = None,
-        group_name: str | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        **kwargs: Any,
-    ) -> str:
-        return await self.run_in_engine(
-            lambda c: c.weights.update_weights_from_distributed(
-                names, dtypes, shapes, weight_version, group_name, bucket_bytes, **kwargs
-            )
-        )
+    @functools.wraps(WeightUpdates.init_weights_update_group)
+    async def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        # The engine thread waits in the group's rendezvous; the event loop does not.
+        await self.run_in_engine(lambda c: c.weights.init_weights_update_group(*args, **kwargs))
+
+    @functools.wraps(WeightUpdates.update_weights_from_distributed)
+    async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> str:
+        return await self.run_in_engine(lambda c: c.weights.update_weights_from_distributed(*args, **kwargs))
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self.run_in_engine(lambda c: c.weights.destroy_weights_update_group(group_name))

@@ -7,16 +7,14 @@ documents them); here they run in the caller's thread, between `generate` calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..config import EngineConfig
 from ..engine_core import EngineCore
-from ..execution.weight_sync import DEFAULT_BUCKET_BYTES
-from ..weight_updates import PauseMode
+from ..weight_updates import PauseMode, WeightUpdates
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,40 +70,23 @@ class LLM:
     def weight_version(self) -> str:
         return self.core.weights.weight_version
 
-    def update_weights_from_disk(self, path: str, weight_version: str | None = None, **kwargs: Any) -> str:
-        return self.core.weights.update_weights_from_disk(path, weight_version, **kwargs)
+    # Signatures and docs are WeightUpdates' own (functools.wraps), written once there.
 
-    def update_weights_from_tensors(
-        self, named_tensors: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None, **kwargs: Any
-    ) -> str:
-        return self.core.weights.update_weights_from_tensors(named_tensors, weight_version, **kwargs)
+    @functools.wraps(WeightUpdates.update_weights_from_disk)
+    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> str:
+        return self.core.weights.update_weights_from_disk(*args, **kwargs)
 
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-    ) -> None:
-        self.core.weights.init_weights_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
+    @functools.wraps(WeightUpdates.update_weights_from_tensors)
+    def update_weights_from_tensors(self, *args: Any, **kwargs: Any) -> str:
+        return self.core.weights.update_weights_from_tensors(*args, **kwargs)
 
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[torch.dtype | str],
-        shapes: Sequence[Sequence[int]],
-        weight_version: str | None = None,
-        group_name: str | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        **kwargs: Any,
-    ) -> str:
-        return self.core.weights.update_weights_from_distributed(
-            names, dtypes, shapes, weight_version, group_name, bucket_bytes, **kwargs
-        )
+    @functools.wraps(WeightUpdates.init_weights_update_group)
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        self.core.weights.init_weights_update_group(*args, **kwargs)
+
+    @functools.wraps(WeightUpdates.update_weights_from_distributed)
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> str:
+        return self.core.weights.update_weights_from_distributed(*args, **kwargs)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self.core.weights.destroy_weights_update_group(group_name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.services.engine import LLM, AsyncLLM, SamplingParams
+from baton.services.engine.errors import EngineSleepingError
 from baton.services.engine.execution.weight_sync import as_dtype, plan_buckets
 from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf
 
@@ -50,6 +51,30 @@ def test_update_from_a_trainer_process_equals_hf(old_dir, tmp_path, trainer_fact
         assert {o.weight_version for o in after} == {"trained-1"}
         with pytest.raises(ValueError, match="no weight update group"):
             llm.destroy_weights_update_group("rl")
+    finally:
+        llm.shutdown()
+
+
+def test_a_trainer_lost_mid_transfer_leaves_no_half_updated_model(old_dir, new_dir, tmp_path, trainer_factory):
+    """Buckets are written as they arrive: when the trainer dies after the first one, the
+    weights are released (requests refused, version unchanged) until a complete update."""
+    llm = LLM(model=str(old_dir), num_kv_blocks=64)
+    try:
+        trainer = trainer_factory(old_dir, tmp_path, world_size=2, bucket_bytes=64 * 1024, die_after=2)
+        llm.init_weights_update_group("127.0.0.1", trainer.port, 1, 2, "rl")
+        meta = trainer.metadata()
+        with pytest.raises(RuntimeError):
+            llm.update_weights_from_distributed(
+                meta["names"], meta["dtypes"], meta["shapes"], bucket_bytes=meta["bucket_bytes"]
+            )
+        trainer.join(returncode=3)
+        assert llm.weight_version == "0"
+        with pytest.raises(EngineSleepingError, match="update_weights_from"):
+            llm.generate(["A"], GREEDY)
+        llm.destroy_weights_update_group("rl")
+        llm.update_weights_from_disk(str(new_dir))
+        ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+        assert_equals_hf(new_dir, ids, llm.generate(ids, GREEDY))
     finally:
         llm.shutdown()
 
