@@ -9,6 +9,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import redis
 from openai import OpenAI
 from testlib.baton_process import BatonServe, session_pids
 from testlib.models import tiny_model
-from testlib.redis_server import process_state
+from testlib.redis_server import process_state, redis_server_pids
 from testlib.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -153,3 +155,42 @@ def test_ctrl_c_stops_in_order_and_redis_outlives_the_drain(workdir):
     finally:
         if serve.process.poll() is None or session_pids(serve.session_id):
             serve.kill_session()
+
+
+LOCAL_DEPLOYMENT_ON_A_TAKEN_PORT = """
+import socket, sys
+from pathlib import Path
+from baton.services.launcher.launcher import LocalDeployment, resolve_config
+
+holder = socket.socket()
+holder.bind(("127.0.0.1", 0))
+holder.listen(1)
+overrides = {"server": {"http_port": holder.getsockname()[1], "grpc_port": 0}}
+deployment = LocalDeployment(resolve_config(None, sys.argv[1], overrides), Path(sys.argv[2]), num_cpus=2)
+try:
+    with deployment:
+        print("started", flush=True)
+except RuntimeError as e:
+    print("failed", deployment.redis.pid if deployment.redis else None, deployment.redis.url, flush=True)
+"""
+
+
+def test_a_local_deployment_whose_serve_start_fails_stops_its_redis_and_ray(workdir):
+    """What a `with LocalDeployment(...)` caller (the tests, a script) gets when Serve cannot
+    start: the exception, and neither Redis nor Ray left running (__exit__ never runs then)."""
+    run_dir = workdir / "with"
+    command = [sys.executable, "-c", LOCAL_DEPLOYMENT_ON_A_TAKEN_PORT, str(tiny_model("llama")), str(run_dir)]
+    script = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = script.communicate(timeout=180)
+    finally:
+        if script.poll() is None:
+            for pid in session_pids(script.pid):
+                os.kill(pid, signal.SIGKILL)
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("failed None redis://"), output  # stopped before the exception came out
+    port = int(last.rsplit(":", 1)[1])
+    assert not redis_server_pids(port)
+    wait_until(lambda: not session_pids(script.pid), timeout_s=10, what="Ray's processes to be gone")
