@@ -236,8 +236,14 @@ class Scheduler:
                         spec[request.request_id] = request.spec_token_ids[: num_new - 1]
                     request.spec_token_ids = []
 
-        # 2. Waiting requests, unless this step had to preempt (memory is short).
-        while self.waiting and not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. Waiting requests, unless this step had to preempt (memory is short). A request
+        # receiving its K/V holds a running slot: it joins `running` when the K/V lands.
+        while (
+            self.waiting
+            and not preempted_now
+            and budget > 0
+            and len(self.running) + len(self.handover.receiving) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.remote_kv is not None and request.kv_path is None:

@@ -235,3 +235,27 @@ def test_abort_while_receiving_frees_blocks_after_the_receive(pair):
     d.abort_request("a")
     assert d.scheduler.kv.num_free_blocks < d.num_kv_blocks  # parked until the receive ends
     settle(p, d)
+
+
+def test_requests_receiving_their_kv_count_against_max_num_seqs(engine, expected):
+    """A receive holds a running slot from its start: when the K/V lands the request runs at
+    once, and the running set never grows past max_num_seqs."""
+    p, d = engine("prefill"), engine("decode", max_num_seqs=2)
+    ids = [f"slot-{i}" for i in range(5)]
+    firsts = {request_id: prefill(p, request_id) for request_id in ids}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for request_id, first in firsts.items():
+        d.submit(
+            d.prepare(request_id, PROMPT, params, handover=Handover.decode(first.token_ids, first.kv_transfer_params))
+        )
+    finished, most = {}, 0
+    deadline = time.monotonic() + 60
+    while len(finished) < len(ids):
+        assert time.monotonic() < deadline
+        for e in (d, p):
+            finished |= {o.request_id: o for o in e.step() if o.finished}
+        most = max(most, d.stats().num_running + len(d.scheduler.handover.receiving))
+        time.sleep(0.001)
+    assert most <= 2
+    assert all(firsts[i].token_ids + finished[i].token_ids == expected for i in ids)
+    settle(d, p)
