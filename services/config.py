@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .engine.config import EngineConfig
 from .gateway.api_keys import AuthConfig
+from .gateway.migration import DEFAULT_MAX_MIGRATIONS
 from .gateway.request_limits import RequestLimits
 from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
@@ -110,6 +111,11 @@ class GatewayConfig(DeploymentConfig):
         default_factory=lambda: ActorOptions(num_cpus=0.25), description="Resources per replica"
     )
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests a replica handles at once")
+    max_migrations: int = Field(
+        DEFAULT_MAX_MIGRATIONS,
+        ge=0,
+        description="Times a request whose worker died continues on another one (0: the loss reaches the client)",
+    )
 
 
 # Calls a replica takes beyond what its engine holds: they reach admission control and get its

@@ -15,7 +15,7 @@ from ..disaggregation.client import DisaggregatedClient
 from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
-from ..gateway.migration import MigratingClient
+from ..gateway.migration import DEFAULT_MAX_MIGRATIONS, MigratingClient
 from ..gateway.request_limits import RequestLimits
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
@@ -37,11 +37,12 @@ class ServeGateway(Gateway):
         router: str,
         auth: AuthConfig | None = None,
         limits: RequestLimits | None = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         api_keys = ApiKeys.from_config(auth or AuthConfig())
         logger.info("gateway: %s", api_keys.describe())
         super().__init__(
-            make_engine_client(mode, workers),
+            make_engine_client(mode, workers, max_migrations),
             tokenizer_path,
             mode,
             export_metrics=True,
@@ -51,13 +52,15 @@ class ServeGateway(Gateway):
         )
 
 
-def make_engine_client(mode: str, workers: dict[str, Any]) -> EngineClient:
+def make_engine_client(
+    mode: str, workers: dict[str, Any], max_migrations: int = DEFAULT_MAX_MIGRATIONS
+) -> EngineClient:
     """The client for the mode, with request migration around it (gateway/migration.py)."""
     if mode == "colocated":
         inner: EngineClient = ColocatedClient(workers["colocated"])
     else:
         inner = DisaggregatedClient(workers["prefill"], workers["decode"])
-    return MigratingClient(inner, on_migration=metrics.record_migration)
+    return MigratingClient(inner, max_migrations, on_migration=metrics.record_migration)
 
 
 def build_app(config: BatonConfig, grace_period_s: float | None = None):
@@ -74,7 +77,13 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
     )
     tokenizer = config.engine.model.tokenizer or config.engine.model.model
     return gateway.bind(
-        workers, tokenizer, config.mode, replica_choice(config), config.server.auth, config.server.limits
+        workers,
+        tokenizer,
+        config.mode,
+        replica_choice(config),
+        config.server.auth,
+        config.server.limits,
+        config.gateway.max_migrations,
     )
 
 
