@@ -50,9 +50,10 @@ async def _abort_as_set(context) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(servicer) -> AsyncIterator[str]:
-    """Serves `servicer` (a Gateway, or anything with the rpcs' methods); yields its host:port."""
-    server = grpc.aio.server()
+async def serving(servicer, options: list[tuple[str, int]] | None = None) -> AsyncIterator[str]:
+    """Serves `servicer` (a Gateway, or anything with the rpcs' methods); yields its host:port.
+    `options`: grpc server options (Serve's proxy: ray.serve._private.constants.DEFAULT_GRPC_SERVER_OPTIONS)."""
+    server = grpc.aio.server(options=options)
     add_inference_servicer_to_server(AsServeReports(servicer), server)
     add_health_servicer_to_server(AsServeReports(servicer), server)
     port = server.add_insecure_port("127.0.0.1:0")

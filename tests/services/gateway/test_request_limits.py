@@ -7,14 +7,12 @@ client, gRPC through an in-process server registered as Serve's proxy registers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 
 import grpc
 import pytest
 from baton.services.engine.errors import InvalidRequestError
-from baton.services.gateway.grpc_servicers import add_health_servicer_to_server, add_inference_servicer_to_server
 from baton.services.gateway.openai_api import build_http_app
 from baton.services.gateway.request_limits import RequestLimits, check_text_length, num_chars
 from baton.services.worker_calls import WorkerModelInfo
@@ -22,7 +20,7 @@ from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc
 from fastapi.testclient import TestClient
 from ray.serve._private.constants import DEFAULT_GRPC_SERVER_OPTIONS
-from testlib.grpc_inprocess import AsServeReports
+from testlib import grpc_inprocess
 
 from .conftest import FAKE_MODEL_INFO
 
@@ -148,25 +146,16 @@ async def test_a_slow_tokenization_does_not_block_small_requests(fake_gateway):
     assert count > 100_000 and len(during) >= 5, (count, len(during))
     _report("slow tokenization (gRPC Tokenize, in-process)", baseline, during, big_s)
     assert statistics.median(during) - statistics.median(baseline) < 0.03
-    assert max(during) < max(baseline) + 0.1
+    # Tokenized on the event loop, a small request sent meanwhile would wait for most of it.
+    assert max(during) < max(max(baseline) + 0.1, big_s / 4)
 
 
 # -- helpers --------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def serving(servicer):
-    """testlib.grpc_inprocess.serving with the message limits of Serve's gRPC proxy (2 GiB),
-    so that the gateway's own limit is the one met."""
-    server = grpc.aio.server(options=DEFAULT_GRPC_SERVER_OPTIONS)
-    add_inference_servicer_to_server(AsServeReports(servicer), server)
-    add_health_servicer_to_server(AsServeReports(servicer), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+def serving(servicer):
+    """With the message limits of Serve's gRPC proxy (2 GiB): the gateway's own limit is the one met."""
+    return grpc_inprocess.serving(servicer, DEFAULT_GRPC_SERVER_OPTIONS)
 
 
 _LARGE = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
