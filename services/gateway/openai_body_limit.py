@@ -23,7 +23,7 @@ class BodySizeLimit:
         self.record_error = record_error  # the gateway's one log line and error metric
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not _has_body(scope):
             await self.app(scope, receive, send)
             return
         try:
@@ -71,6 +71,14 @@ def _replay(body: bytes, receive: Callable) -> Callable:
         return await receive()
 
     return replayed
+
+
+def _has_body(scope: dict) -> bool:
+    """HTTP/1.1: a request has a body exactly when it says Content-Length or Transfer-Encoding
+    (HTTP/2 may send one with neither: counted too)."""
+    if scope.get("http_version") not in ("1.0", "1.1"):
+        return True
+    return any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
 
 
 def _content_length(scope: dict) -> int | None:
