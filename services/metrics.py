@@ -13,9 +13,11 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
                                                     or whose deadline passed (Serve's proxy cancels it either way,
                                                     so the two are one value), `error:<gRPC code>` for the others
            baton_requests_shed_total{api,reason}    counter    requests refused to keep admitted ones within bounds
-                                                    (429 / 503 with Retry-After); reason: where the bound was met,
-                                                    e.g. gateway_inflight, waiting_requests, waiting_tokens, queue,
-                                                    no_replica
+                                                    (429 / 503 with Retry-After), recorded by the gateway (it knows
+                                                    the api); reason: the refusing error's `reason`
+                                                    (serving_errors), e.g. waiting_requests, waiting_tokens,
+                                                    queue_delay, overloaded (unnamed), queue (Serve's handle
+                                                    queue), no_replica
            baton_request_migrations_total{role,outcome}  counter  a request moved off a replica that died or
                                                     drained, by the role it left; outcome: migrated (continues
                                                     elsewhere), failed (no replica took it), refused (its migration

@@ -54,25 +54,38 @@ REJECTION_CODES = frozenset(
 
 
 class ServerOverloadedError(RuntimeError):
-    """The worker's queue is over its configured bound; retry after `retry_after_s` (429)."""
+    """The worker's queue is over its configured bound; retry after `retry_after_s` (429).
+    `reason` names the bound (baton_requests_shed_total's label, metrics.py)."""
 
-    def __init__(self, message: str = "server overloaded", retry_after_s: float = DEFAULT_OVERLOAD_RETRY_AFTER_S):
+    def __init__(
+        self,
+        message: str = "server overloaded",
+        retry_after_s: float = DEFAULT_OVERLOAD_RETRY_AFTER_S,
+        reason: str = "overloaded",
+    ):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
     def __reduce__(self):  # Ray pickles it from the worker to the gateway
-        return type(self), (str(self), self.retry_after_s)
+        return type(self), (str(self), self.retry_after_s, self.reason)
 
 
 class NoHealthyWorkersError(RuntimeError):
     """No worker can take the request right now; retry after `retry_after_s` (503)."""
 
-    def __init__(self, message: str = "no healthy worker", retry_after_s: float = DEFAULT_UNAVAILABLE_RETRY_AFTER_S):
+    def __init__(
+        self,
+        message: str = "no healthy worker",
+        retry_after_s: float = DEFAULT_UNAVAILABLE_RETRY_AFTER_S,
+        reason: str = "no_replica",
+    ):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
     def __reduce__(self):
-        return type(self), (str(self), self.retry_after_s)
+        return type(self), (str(self), self.retry_after_s, self.reason)
 
 
 class RequestTooLargeError(ValueError):
@@ -102,6 +115,7 @@ class ErrorStatus:
     message: str
     param: str | None = None
     retry_after_s: int | None = None  # whole seconds until a retry may succeed (Retry-After)
+    shed_reason: str | None = None  # refused to keep admitted requests in bounds: which bound
 
     @property
     def is_rejection(self) -> bool:
@@ -147,14 +161,23 @@ def status_of(error: BaseException) -> ErrorStatus:
     if isinstance(cause, ServerOverloadedError | BackPressureError):
         retry_after_s = getattr(cause, "retry_after_s", None) or DEFAULT_OVERLOAD_RETRY_AFTER_S  # Serve's: or None
         message = str(cause) or "server overloaded"
+        reason = getattr(cause, "reason", "queue")  # Serve's BackPressureError: its handle queue
         return ErrorStatus(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", message, None, whole_seconds(retry_after_s)
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            429,
+            "rate_limit_error",
+            message,
+            None,
+            whole_seconds(retry_after_s),
+            reason,
         )
     if isinstance(cause, EngineDeadError):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", ENGINE_STOPPED)
     if isinstance(cause, NoHealthyWorkersError):
         retry_after_s = whole_seconds(cause.retry_after_s)
-        return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", str(cause), None, retry_after_s)
+        return ErrorStatus(
+            grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", str(cause), None, retry_after_s, cause.reason
+        )
     if isinstance(cause, UnauthenticatedError):
         return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", str(cause))
     if isinstance(cause, NotFoundError):

@@ -143,7 +143,8 @@ class Gateway:
     def _failure(self, error: BaseException, api: str) -> ErrorStatus:
         """The client's status for `error`; logs one line for a rejection, the traceback (with
         what the client is not told: actor ids, pids, addresses) for a server error. A cancel
-        (the client left, or its deadline passed) counts as finish_reason `cancelled`."""
+        (the client left, or its deadline passed) counts as finish_reason `cancelled`; a shed
+        request (429, or 503 with no replica) also in baton_requests_shed_total."""
         status = status_of(error)
         if status.is_cancelled:
             logger.info("%s request cancelled", api)
@@ -156,6 +157,8 @@ class Gateway:
                 metrics.record_cancelled(api)
             else:
                 metrics.record_error(api, status.grpc_code.name)
+            if status.shed_reason is not None:
+                metrics.record_shed(api, status.shed_reason)
         return status
 
     @contextlib.contextmanager

@@ -111,8 +111,11 @@ async def test_the_proxy_side_turns_the_details_delay_into_trailing_metadata(det
 def test_retry_after_is_whole_seconds_and_survives_pickling():
     assert status_of(OVERLOADED).retry_after_s == 3
     assert status_of(ServerOverloadedError("busy")).retry_after_s == 1
-    copy = pickle.loads(pickle.dumps(OVERLOADED))
-    assert copy.retry_after_s == 2.5 and str(copy) == str(OVERLOADED)
+    copy = pickle.loads(pickle.dumps(ServerOverloadedError("busy", 2.5, reason="waiting_tokens")))
+    assert (copy.retry_after_s, copy.reason, str(copy)) == (2.5, "waiting_tokens", "busy")
+    assert status_of(copy).shed_reason == "waiting_tokens" and status_of(UNAVAILABLE).shed_reason == "no_replica"
+    assert status_of(BackPressureError(num_queued_requests=9, max_queued_requests=8)).shed_reason == "queue"
+    assert status_of(ValueError("x")).shed_reason is None
     assert retry_after_of(status_of(UNAVAILABLE).grpc_details) == 5
     assert retry_after_of(b"x (retry after 2 s)") == 2 and retry_after_of(None) is None
 
