@@ -34,7 +34,7 @@ def test_serve_config_is_valid_for_serve_and_baton(rendered, name: str, tmp_path
     assert serve["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICERS
     assert serve["http_options"]["host"] == "0.0.0.0"
 
-    config = BatonConfig.model_validate(app["args"]["config"])
+    config = BatonConfig.model_validate(baton_config(objects))
     assert config.server.http_host == "0.0.0.0"
     assert serve["http_options"]["port"] == config.server.http_port
     assert serve["grpc_options"]["port"] == config.server.grpc_port
@@ -42,7 +42,30 @@ def test_serve_config_is_valid_for_serve_and_baton(rendered, name: str, tmp_path
     path = tmp_path / "baton.yaml"
     path.write_text(one(objects, "ConfigMap")["data"]["baton.yaml"])
     assert load_config(path) == config
-    assert yaml.safe_load(path.read_text()) == app["args"]["config"]
+    assert yaml.safe_load(path.read_text()) == baton_config(objects)
+
+
+def test_changing_replica_counts_keeps_the_code_version(chart):
+    """Serve restarts every replica of an application whose code version (a hash of its
+    args) changes; replica counts and autoscaling live outside the args, so a `helm upgrade`
+    that only scales adds or drains replicas of that deployment."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def code_version(*overrides: dict) -> str:
+        (app,) = serve_config(chart.render([values_file("minimal")], *overrides))["applications"]
+        return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+    base = code_version()
+    scaled = {"config": {"decode": {"num_replicas": 3}, "prefill": {"num_replicas": 2}, "gateway": {"num_replicas": 2}}}
+    assert code_version(scaled) == base
+
+    def autoscaled(max_replicas: int) -> dict:
+        return {"config": {"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": max_replicas}}}}
+
+    # Turning autoscaling on is a code change to Serve (its policy is hashed); new bounds are not.
+    assert code_version(autoscaled(4)) == code_version(autoscaled(8))
+    assert code_version({"config": {"decode": {"max_waiting_requests": 64}}}) != base  # a real change still is one
 
 
 @pytest.mark.parametrize("name", VALUES_FILES)
@@ -79,7 +102,7 @@ def test_tensor_parallel_roles_reserve_their_ranks_with_the_replica(rendered):
     """Serve reserves a placement group per replica: bundle 0 holds the replica and rank 0,
     bundle i rank i; the engine's TP executor reuses it (tp_executor.py)."""
     (app,) = serve_config(rendered("gpu-tp2"))["applications"]
-    by_name = {d["name"]: d for d in app["deployments"]}
+    by_name = {d["name"]: d for d in app["deployments"] if "placement_group_bundles" in d}
     assert sorted(by_name) == ["decode", "prefill"]
     for role, deployment in by_name.items():
         assert deployment["placement_group_strategy"] == "STRICT_PACK"
@@ -94,7 +117,7 @@ def test_single_gpu_replicas_ask_for_their_gpu(rendered):
     config = BatonConfig.model_validate(baton_config(objects))
     assert config.colocated.ray_actor_options.num_gpus == 1
     (app,) = serve_config(objects)["applications"]
-    assert "deployments" not in app  # no placement groups without tensor parallelism
+    assert not any("placement_group_bundles" in d for d in app["deployments"])  # none without tensor parallelism
     assert ray_container(worker_groups(objects)["colocated"])["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 

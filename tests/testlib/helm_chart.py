@@ -7,6 +7,7 @@ refuse). Values come as files (helm/values/*.yaml) and/or dicts written to a tem
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -95,9 +96,17 @@ def serve_config(objects: list[Manifest]) -> dict[str, Any]:
 
 
 def baton_config(objects: list[Manifest]) -> dict[str, Any]:
-    """The Baton config handed to the application builder (serveConfigV2 args.config)."""
+    """The Baton config in effect: the one handed to the application builder (serveConfigV2
+    args.config), with the replica counts and autoscaling Serve's per-deployment options set."""
     (app,) = serve_config(objects)["applications"]
-    return app["args"]["config"]
+    config = copy.deepcopy(app["args"]["config"])
+    for deployment in app.get("deployments", []):
+        section = config.setdefault(deployment["name"], {})
+        if "autoscaling_config" in deployment:
+            section["autoscaling"] = deployment["autoscaling_config"]
+        if "num_replicas" in deployment:
+            section["num_replicas"] = deployment["num_replicas"]
+    return config
 
 
 def worker_groups(objects: list[Manifest]) -> dict[str, Manifest]:

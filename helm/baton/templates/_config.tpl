@@ -92,20 +92,33 @@ group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's
 {{- $_ := set $http "request_timeout_s" . -}}
 {{- $_ := set $grpc "request_timeout_s" . -}}
 {{- end -}}
-{{- $app := dict "name" $cfg.name "import_path" "baton.services.serve_app.serve_entry:app" "route_prefix" "/" "args" (dict "config" $cfg "grace_period_s" .Values.shutdown.gracePeriodSeconds) -}}
+{{- /* Replica counts and autoscaling go in Serve's per-deployment options, not in the
+args: Serve hashes the args into the application's code version, and a new version
+restarts every replica (the gateway's too) where a changed count only adds or drains
+replicas of that deployment. */ -}}
+{{- $args := deepCopy $cfg -}}
 {{- $deployments := list -}}
-{{- range $role := splitList "," (include "baton.roles" $) -}}
-{{- if gt (include "baton.tensorParallelSize" (list $ $role) | int) 1 -}}
-{{- $section := get $cfg $role -}}
+{{- range $role := prepend (splitList "," (include "baton.roles" $)) "gateway" -}}
+{{- $section := default dict (get $args $role) -}}
+{{- $deployment := dict "name" $role -}}
+{{- if $section.autoscaling -}}
+{{- $_ := set $deployment "autoscaling_config" $section.autoscaling -}}
+{{- $_ := unset $section "autoscaling" -}}{{/* num_replicas stays: ignored with autoscaling */}}
+{{- else -}}
+{{- $_ := set $deployment "num_replicas" (default 1 $section.num_replicas) -}}
+{{- $_ := unset $section "num_replicas" -}}
+{{- end -}}
+{{- if and (ne $role "gateway") (gt (include "baton.tensorParallelSize" (list $ $role) | int) 1) -}}
 {{- $engine := default dict $cfg.engine -}}
 {{- $strategy := dig "parallel" "placement_strategy" (dig "parallel" "placement_strategy" "STRICT_PACK" $engine) (default dict $section.engine_overrides) -}}
 {{- $bundles := include "baton.placementBundles" (list $ $role $section.ray_actor_options) | fromYamlArray -}}
-{{- $deployments = append $deployments (dict "name" $role "placement_group_bundles" $bundles "placement_group_strategy" $strategy) -}}
+{{- $_ := set $deployment "placement_group_bundles" $bundles -}}
+{{- $_ := set $deployment "placement_group_strategy" $strategy -}}
 {{- end -}}
+{{- $_ := set $args $role $section -}}
+{{- $deployments = append $deployments $deployment -}}
 {{- end -}}
-{{- if $deployments -}}
-{{- $_ := set $app "deployments" $deployments -}}
-{{- end -}}
+{{- $app := dict "name" $cfg.name "import_path" "baton.services.serve_app.serve_entry:app" "route_prefix" "/" "args" (dict "config" $args "grace_period_s" .Values.shutdown.gracePeriodSeconds) "deployments" $deployments -}}
 {{- toYaml (dict "proxy_location" "EveryNode" "http_options" $http "grpc_options" $grpc "applications" (list $app)) -}}
 {{- end -}}
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from baton.services.config import BatonConfig
 from baton.services.serve_app.serve_entry import ServeArgs, app, load_serve_config
-from testlib.helm_chart import VALUES_FILES, serve_config
+from testlib.helm_chart import VALUES_FILES, baton_config, serve_config
 
 
 def _build(spec: dict):
@@ -29,18 +29,20 @@ def test_rendered_args_build_the_application(rendered, name: str):
     assert sorted(deployments) == sorted(["gateway", *config.roles])
     for deployment in deployments.values():  # a stopping replica's drain budget: the chart's grace period
         assert deployment._deployment_config.graceful_shutdown_timeout_s == spec["args"]["grace_period_s"]
-    for override in spec.get("deployments", []):
+    effective = BatonConfig.model_validate(baton_config(rendered(name)))  # with Serve's per-deployment options
+    for override in spec["deployments"]:
         override = dict(override)
+        name = override.pop("name")
         # Serve applies these over the code's options; it checks that the replica fits bundle 0.
-        deployment = deployments[override.pop("name")].options(**override)
-        assert deployment.ray_actor_options["resources"] == {f"baton_{deployment.name}": 1.0}
-    for role in config.roles:
-        section = config.deployment(role)
-        options = deployments[role]._deployment_config
+        deployment = deployments[name].options(**override)
+        options = deployment._deployment_config
+        section = effective.gateway if name == "gateway" else effective.deployment(name)
         if section.autoscaling is None:
             assert options.num_replicas == section.num_replicas
         else:
             assert options.autoscaling_config.max_replicas == section.autoscaling.max_replicas
+        if name != "gateway":
+            assert deployment.ray_actor_options["resources"] == {f"baton_{name}": 1.0}
 
 
 def test_inline_config_is_merged_over_the_file(tmp_path):
