@@ -33,11 +33,6 @@ class ModelConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded requests)")
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for")
-    weight_version: str = Field(
-        "0",
-        description="The version the loaded weights report (every output carries it); each weight update sets "
-        "its own, or counts up from this one when it is an integer",
-    )
 
 
 class CacheConfig(BaseModel):

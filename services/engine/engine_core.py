@@ -84,7 +84,7 @@ class EngineCore:
             self.executor.device_name, config.runner.peak_tflops, config.runner.peak_memory_tbs
         )
         # Weight updates, pause and sleep (weight_updates.py), called between steps.
-        self.weights = WeightUpdates(self, config.model.weight_version)
+        self.weights = WeightUpdates(self)
 
     # -- requests ---------------------------------------------------------------------
 

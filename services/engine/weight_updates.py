@@ -16,9 +16,9 @@ until a complete update. A successful update then:
     scheduled, so K/V of old weights is never read after an update;
   - the prefix cache is reset (a `cleared` KV event for the router), unless the caller
     says the cached K/V is still valid (`reset_prefix_cache=False`);
-  - the version becomes the caller's string, or else counts up: "0" (or
-    `ModelConfig.weight_version`) at start, then "1", "2", ... Every `RequestOutput`
-    carries the version in effect when it was produced.
+  - the version becomes the caller's string, or else counts updates: "0" as loaded at
+    start, then "1", "2", ... (a caller's string does not reset the count). Every
+    `RequestOutput` carries the version in effect when it was produced.
 
 Pausing (`pause_generation(mode)`; `continue_generation()` ends it). In every mode, requests
 that arrive while paused are held, unstarted, and start on `continue_generation`; the
@@ -61,7 +61,7 @@ _PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class WeightUpdates:
-    def __init__(self, core: EngineCore, initial_version: str) -> None:
+    def __init__(self, core: EngineCore, initial_version: str = "0") -> None:
         self.core = core
         self.weight_version = initial_version
         self._counter = int(initial_version) if initial_version.isdigit() else 0
