@@ -9,7 +9,6 @@ import signal
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,15 @@ from testlib.baton_client import greedy_request
 from testlib.models import tiny_model
 from testlib.ray_cluster import local_ray
 from testlib.ray_processes import replica_pids
+from testlib.serve_deploy import deploy_from_config
 
 pytestmark = pytest.mark.ray
 
 PROMPTS = [f"def handler_{i}(request, context):" for i in range(8)]
 LONG_PROMPTS = [f"Request {i}: " + "the with statement wraps a block of code. " * 20 for i in range(8)]
 MAX_TOKENS = 160  # long enough that every stream is still running when the kill lands
+LONG_OUTPUT = 400  # the scale-down test's streams: they outlast the replica's drain budget
+GRACE_PERIOD_S = 2.0
 
 
 def config():
@@ -50,7 +52,9 @@ def config():
 @pytest.fixture(scope="module")
 def deployment():
     with local_ray(num_cpus=4):
-        deployment = LocalDeployment(config(), Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
+        # A short drain budget: the scale-down test outlasts it, so both drain paths run.
+        run_dir = Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))
+        deployment = LocalDeployment(config(), run_dir, grace_period_s=GRACE_PERIOD_S).start()
         try:
             yield deployment
         finally:
@@ -70,14 +74,18 @@ def offline():
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     prompts = PROMPTS + LONG_PROMPTS
     outputs = llm.generate(prompts, params)
+    long = llm.generate(PROMPTS, SamplingParams(max_tokens=LONG_OUTPUT, temperature=0, ignore_eos=True))
     llm.shutdown()
-    return {p: o.token_ids for p, o in zip(prompts, outputs)}
+    return {p: o.token_ids for p, o in zip(prompts, outputs)} | {
+        ("long", p): o.token_ids for p, o in zip(PROMPTS, long)
+    }
 
 
 class Streams:
     """`prompts` streamed at once, each in its own thread; `started` once each has a token."""
 
-    def __init__(self, client: BatonClient, prompts: list[str]) -> None:
+    def __init__(self, client: BatonClient, prompts: list[str], max_tokens: int = MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
         self.tokens: dict[str, list[int]] = {p: [] for p in prompts}
         self.kv_paths: dict[str, str] = {}
         self.errors: list[BaseException] = []
@@ -89,7 +97,7 @@ class Streams:
     def _run(self, client: BatonClient, prompt: str) -> None:
         waited = False
         try:
-            for response in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120):
+            for response in client.generate(greedy_request(prompt, self.max_tokens), timeout=120):
                 self.tokens[prompt] += response.token_ids
                 self.kv_paths[prompt] = response.timings.kv_path or self.kv_paths.get(prompt, "")
                 if not waited and len(self.tokens[prompt]) >= 2:  # decoding: past the handover
@@ -222,22 +230,25 @@ def test_a_replica_that_misses_its_heartbeats_is_fenced_off(deployment, client, 
 
 
 def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offline):
-    """Serve stops the replica it removes only after its streams finished (its graceful
-    shutdown), and the worker deregisters from the router as it stops."""
+    """Deployed as KubeRay does (a Serve config; testlib/serve_deploy.py), a lower decode
+    count only drains one decode replica: it takes nothing new, its streams that outlast the
+    drain budget (GRACE_PERIOD_S) are migrated when its process goes, and the worker
+    deregisters from the router as it stops. Nothing else restarts."""
     from baton.services.router.router import PrefixRouter
-    from baton.services.serve_app.builder import build_app
     from ray import serve
 
+    config = deployment.config
+    deploy_from_config(config, {"prefill": 2, "decode": 2}, GRACE_PERIOD_S)  # from here, config deploys
     wait_for_replicas("decode", 2)
     settle("decode")
-    streams = Streams(client, PROMPTS)
+    others = replica_pids("prefill") + replica_pids("gateway")
+    streams = Streams(client, PROMPTS, LONG_OUTPUT)
     streams.first_token.wait()
-    config = deployment.config
-    scaled = config.model_copy(update={"decode": config.decode.model_copy(update={"num_replicas": 1})})
-    serve.run(build_app(scaled), name=config.name, route_prefix="/")
+    deploy_from_config(config, {"prefill": 2, "decode": 1}, GRACE_PERIOD_S)
     streams.join()
     assert not streams.errors, streams.errors
-    assert streams.tokens == {p: offline[p] for p in PROMPTS}
+    assert streams.tokens == {p: offline["long", p] for p in PROMPTS}
+    migrated = [p for p, path in streams.kv_paths.items() if path == "migrated"]
     deadline = time.monotonic() + 60
     while len(replica_pids("decode")) > 1:
         assert time.monotonic() < deadline
@@ -247,7 +258,8 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     while len(router.route_decode("probe", 8, record=False).ranked) > 1:  # well before its heartbeat lapses
         assert time.monotonic() - gone_at < 1.0
         time.sleep(0.05)
-    settle_one = serve.get_deployment_handle("decode", app_name="baton").broadcast("integrity_report").results()
-    assert len(settle_one) == 1 and settle_one[0][2].num_free_kv_blocks == settle_one[0][2].num_kv_blocks
-    serve.run(build_app(config), name=config.name, route_prefix="/")  # back to 2 for the tests after
-    wait_for_replicas("decode", 2)
+    print(f"scale-down: {len(migrated)}/8 streams outlasted the drain budget and were migrated")
+    assert migrated, streams.kv_paths  # the drained replica's streams outlasted its budget
+    assert replica_pids("prefill") + replica_pids("gateway") == others  # a lightweight update: no restart
+    (report,) = serve.get_deployment_handle("decode", app_name="baton").broadcast("integrity_report").results()
+    assert report[2].num_free_kv_blocks == report[2].num_kv_blocks
