@@ -6,7 +6,8 @@ Rank 0 of a gloo group on 127.0.0.1:PORT (group "rl"): it takes one SGD step of 
 Face's model on a language-modelling loss, saves the result to OUT_DIR (so the test has a
 reference), writes OUT_DIR/update.json (names, dtypes, shapes), broadcasts the weights with
 Baton's bucketing, and leaves the group. With DIE_AFTER, it dies (exit 3) once that many
-broadcasts (the plan's header included) are done: a trainer lost mid-transfer.
+broadcasts (the plan's header included) are done: a trainer lost mid-transfer. With
+BATON_TRAINER_FLAT=1 in its environment it sends from `FlatWeights` (no flattening).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import sys
 
 import torch
-from baton.services.engine.execution.weight_sync import WeightSyncGroup, broadcast_weights, describe
+from baton.services.engine.execution.weight_sync import FlatWeights, WeightSyncGroup, broadcast_weights, describe
 from transformers import AutoModelForCausalLM
 
 
@@ -39,7 +40,10 @@ def main(model_dir: str, out_dir: str, port: int, world_size: int, bucket_bytes:
     with open(f"{out_dir}/update.json.tmp", "w") as f:
         json.dump(meta, f)
     os.rename(f"{out_dir}/update.json.tmp", f"{out_dir}/update.json")
-    broadcast_weights(group, named, bucket_bytes)
+    if os.environ.get("BATON_TRAINER_FLAT") == "1":
+        FlatWeights(named, bucket_bytes).broadcast(group)  # the zero-copy trainer path
+    else:
+        broadcast_weights(group, named, bucket_bytes)
     group.destroy()
 
 

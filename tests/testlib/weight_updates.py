@@ -5,6 +5,7 @@ over a gloo group."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -41,14 +42,21 @@ class Trainer:
     gradient step on `model_dir`, saves the result to `out_dir`, then broadcasts it."""
 
     def __init__(
-        self, model_dir: Path, out_dir: Path, world_size: int, bucket_bytes: int, die_after: int | None = None
+        self,
+        model_dir: Path,
+        out_dir: Path,
+        world_size: int,
+        bucket_bytes: int,
+        die_after: int | None = None,
+        flat: bool = False,
     ) -> None:
         self.port = free_port()
         self.out_dir = out_dir
         self.world_size = world_size
         args = [str(model_dir), str(out_dir), str(self.port), str(world_size), str(bucket_bytes)]
         args += [] if die_after is None else [str(die_after)]
-        self.process = subprocess.Popen([sys.executable, str(TRAINER), *args])
+        env = {**os.environ, "BATON_TRAINER_FLAT": "1" if flat else "0"}
+        self.process = subprocess.Popen([sys.executable, str(TRAINER), *args], env=env)
 
     def metadata(self, timeout_s: float = 120.0) -> dict:
         """names, dtypes and shapes, once the trainer has its new weights."""

@@ -162,17 +162,49 @@ def broadcast_weights(
     group: WeightSyncGroup, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> None:
     """Trainer side (rank 0): sends `named_tensors` in the plan the engine derives from
-    `describe(named_tensors)` and the same `bucket_bytes`. It flattens the next bucket while
-    the previous one is on the wire."""
+    `describe(named_tensors)` and the same `bucket_bytes`, flattening the next bucket while
+    the previous one is on the wire (`FlatWeights` spares the flattening)."""
     tensors = dict(named_tensors)
     buckets = plan_buckets(*describe(named_tensors), bucket_bytes)
+
+    def flats() -> Iterator[torch.Tensor]:
+        for bucket in buckets:
+            if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
+                yield tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
+            else:
+                yield torch.cat([tensors[e.name].detach().to("cpu").reshape(-1) for e in bucket.entries])
+
+    _send(group, buckets, flats())
+
+
+class FlatWeights:
+    """Trainer side: tensors that live inside their bucket buffers, so `broadcast` copies
+    nothing. `tensors[name]` is a view a trainer can make its parameter's storage
+    (`param.data = flat.tensors[name]`), as trainers with contiguous parameter buffers do."""
+
+    def __init__(self, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.names, self.dtypes, self.shapes = describe(named_tensors)
+        self.bucket_bytes = bucket_bytes
+        self.buckets = plan_buckets(self.names, self.dtypes, self.shapes, bucket_bytes)
+        source = dict(named_tensors)
+        self.flats: list[torch.Tensor] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            for e in bucket.entries:
+                self.tensors[e.name] = flat[e.offset : e.offset + e.numel].view(e.shape)
+                self.tensors[e.name].copy_(source[e.name])
+            self.flats.append(flat)
+
+    def broadcast(self, group: WeightSyncGroup) -> None:
+        _send(group, self.buckets, iter(self.flats))
+
+
+def _send(group: WeightSyncGroup, buckets: Sequence[Bucket], flats: Iterator[torch.Tensor]) -> None:
+    """The plan's header, then each bucket; the next is prepared while one is in flight."""
     group.broadcast(_plan_header(buckets), src=0)
     in_flight: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
-    for bucket in buckets:
-        if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
-            flat = tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
-        else:
-            flat = torch.cat([tensors[e.name].detach().to("cpu").reshape(-1) for e in bucket.entries])
+    for flat in flats:
         in_flight.append((flat, group.broadcast_async(flat, src=0)))
         if len(in_flight) > 1:
             in_flight.popleft()[1].wait()

@@ -45,7 +45,7 @@ def test_every_update_kind_with_tp2(ray_cluster, old_dir, new_dir, tmp_path, tra
         llm.update_weights_from_tensors(list(load_file(old_dir / "model.safetensors").items()))
         assert_equals_hf(old_dir, ids, llm.generate(ids, GREEDY))
 
-        trainer = trainer_factory(old_dir, tmp_path, world_size=3, bucket_bytes=128 * 1024)
+        trainer = trainer_factory(old_dir, tmp_path, world_size=3, bucket_bytes=128 * 1024, flat=True)
         llm.init_weights_update_group("127.0.0.1", trainer.port, 1, 3, "rl")  # ranks 1 and 2
         meta = trainer.metadata()
         version = llm.update_weights_from_distributed(

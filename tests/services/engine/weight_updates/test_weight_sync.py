@@ -8,7 +8,7 @@ import pytest
 import torch
 from baton.services.engine import LLM, AsyncLLM, SamplingParams
 from baton.services.engine.errors import EngineSleepingError
-from baton.services.engine.execution.weight_sync import as_dtype, plan_buckets
+from baton.services.engine.execution.weight_sync import FlatWeights, as_dtype, plan_buckets
 from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
@@ -29,6 +29,16 @@ def test_buckets_group_by_dtype_and_cap_their_size():
     assert as_dtype("torch.bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="twice"):
         plan_buckets(["a", "a"], dtypes[:2], shapes[:2])
+
+
+def test_flat_weights_live_in_their_buckets():
+    named = [("a", torch.randn(4, 2)), ("b", torch.randn(3).bfloat16()), ("c", torch.randn(5))]
+    flat = FlatWeights(named, bucket_bytes=1 << 20)
+    assert [f.numel() for f in flat.flats] == [13, 3]  # float32 a + c, then bfloat16 b
+    for name, tensor in named:
+        assert torch.equal(flat.tensors[name], tensor)
+    flat.tensors["c"].add_(1)  # a trainer's in-place step lands in the bucket it sends
+    assert torch.equal(flat.flats[0][8:], named[2][1] + 1)
 
 
 def test_update_from_a_trainer_process_equals_hf(old_dir, tmp_path, trainer_factory):
