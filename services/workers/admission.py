@@ -62,6 +62,7 @@ class Admission:
                 f"worker {worker_id} has {self.num_queued} requests waiting to start "
                 f"(limit {limits.max_waiting_requests})",
                 1.0,
+                "waiting_requests",
             )
         tokens = limits.max_waiting_prompt_tokens
         if (
@@ -73,6 +74,7 @@ class Admission:
                 f"worker {worker_id} has {stats.num_waiting_prefill_tokens} prompt tokens waiting "
                 f"(limit {tokens}, this request adds {num_prompt_tokens})",
                 1.0,
+                "waiting_tokens",
             )
         if limits.max_queue_delay_s is not None:
             wait = self.estimated_wait_s()
@@ -81,6 +83,7 @@ class Admission:
                     f"worker {worker_id} would start this request in about {wait:.1f} s "
                     f"(limit {limits.max_queue_delay_s:g} s)",
                     wait - limits.max_queue_delay_s,
+                    "queue_delay",
                 )
         self._queued[request_id] = self._clock()
 
@@ -106,6 +109,7 @@ class Admission:
         rate = len(self._starts) / min(span, self.limits.window_s) if len(self._starts) > 1 else 1.0 / span
         return max(len(self._queued) / rate, oldest_age)
 
-    def _shed(self, message: str, retry_after_s: float) -> None:
+    def _shed(self, message: str, retry_after_s: float, reason: str) -> None:
+        """`reason` names the bound: baton_requests_shed_total's label (services/metrics.py)."""
         self.num_shed += 1
-        raise ServerOverloadedError(f"{message}; retry later", retry_after_s=max(1.0, math.ceil(retry_after_s)))
+        raise ServerOverloadedError(f"{message}; retry later", max(1.0, math.ceil(retry_after_s)), reason)

@@ -7,7 +7,7 @@ last sampled), within the step's token budget. Each step:
   1. running requests that are decoding (one token left), oldest first, so a long prompt
      never starves them; then running requests in the middle of their prompt;
   2. waiting requests, oldest first, with their prefix-cache hit, while budget, sequence
-     slots and blocks last.
+     slots (a request receiving its K/V holds one) and blocks last.
 
 When a running request cannot get a block, the most recently admitted running request
 (not yet scheduled this step) is preempted: its blocks are freed and it goes back to the
@@ -236,14 +236,8 @@ class Scheduler:
                         spec[request.request_id] = request.spec_token_ids[: num_new - 1]
                     request.spec_token_ids = []
 
-        # 2. Waiting requests, unless this step had to preempt (memory is short). A request
-        # receiving its K/V holds a running slot: it joins `running` when the K/V lands.
-        while (
-            self.waiting
-            and not preempted_now
-            and budget > 0
-            and len(self.running) + len(self.handover.receiving) < self.config.max_num_seqs
-        ):
+        # 2. Waiting requests, unless this step had to preempt (memory is short).
+        while self.waiting and not preempted_now and budget > 0 and self._has_free_seq_slot():
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.remote_kv is not None and request.kv_path is None:
@@ -278,12 +272,14 @@ class Scheduler:
         return [request.request_id for request in preempted]
 
     def settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """After a step verified `num_drafts` drafts of `request`: the slots of the rejected
-        ones hold K/V of tokens that never happened, so they count as not computed (the next
-        tokens overwrite them)."""
+        """After a step verified `num_drafts` drafts: the rejected ones' slots hold K/V of
+        tokens that never happened, so they count as not computed (the next ones overwrite)."""
         request.num_computed_tokens -= num_drafts - num_accepted
 
     # -- internals --------------------------------------------------------------------
+
+    def _has_free_seq_slot(self) -> bool:
+        return len(self.running) + len(self.handover.receiving) < self.config.max_num_seqs
 
     def _start_receiving(self, request: Request, hits, num_hit_tokens: int) -> bool:
         """Decode side: blocks for the whole prompt now, its K/V from the prefill worker next.
