@@ -107,6 +107,10 @@ class UnauthenticatedError(PermissionError):
     the message never quotes the key."""
 
 
+class PermissionDeniedError(PermissionError):
+    """A known key that may not make this call: the admin calls need an admin key (403)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorStatus:
     grpc_code: grpc.StatusCode
@@ -180,6 +184,8 @@ def status_of(error: BaseException) -> ErrorStatus:
         )
     if isinstance(cause, UnauthenticatedError):
         return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", str(cause))
+    if isinstance(cause, PermissionDeniedError):
+        return ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error", str(cause))
     if isinstance(cause, NotFoundError):
         return ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error", str(cause))
     if isinstance(cause, TimeoutError):

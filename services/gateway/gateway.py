@@ -29,11 +29,13 @@ from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
+from .admin_http import add_admin_routes
 from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
 from .openai_api import OpenAIApi, build_http_app
 from .request_limits import RequestLimits
+from .weight_admin import WeightAdmin
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ class Gateway:
         router: str = "power_of_two",
         api_keys: ApiKeys | None = None,
         limits: RequestLimits | None = None,
+        weight_admin: WeightAdmin | None = None,
     ) -> None:
         self.mode = mode
+        self.weight_admin = weight_admin  # the HTTP admin routes (admin_http.py); None: not served
         self.router = router  # how the engine replicas are chosen (reported by GetModelInfo)
         self.engine_client = engine_client
         self.export_metrics = export_metrics
@@ -130,7 +134,10 @@ class Gateway:
     # -- HTTP: OpenAI-compatible ------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # noqa: N807 - Ray Serve's hook name
-        return build_http_app(self.openai)
+        http = build_http_app(self.openai)
+        if self.weight_admin is not None:
+            add_admin_routes(http, self.weight_admin, self.api_keys, self.openai.error_response)
+        return http
 
     def _parsed(self, request):
         return grpc_api.parsed(request, self.limits.max_request_bytes)

@@ -17,6 +17,7 @@ from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
 from ..gateway.migration import DEFAULT_MAX_MIGRATIONS, MigratingClient
 from ..gateway.request_limits import RequestLimits
+from ..gateway.weight_admin import WeightAdmin
 from ..ray_env import import_ray
 from ..workers.engine_worker import EngineWorker
 
@@ -49,6 +50,7 @@ class ServeGateway(Gateway):
             router=router,
             api_keys=api_keys,
             limits=limits,
+            weight_admin=WeightAdmin(workers),
         )
 
 
