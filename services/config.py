@@ -7,7 +7,7 @@ checks run at load: prefill and decode share the model and block size, and tenso
 parallelism must divide the model's heads (checked when the model's config is read).
 
     name, mode, server        the Serve application, its endpoints, where API keys come from (server.auth),
-                              request size bounds (server.limits)
+                              request size bounds (server.limits), TLS on both APIs (server.tls)
     engine                    EngineConfig shared by every role (services/engine/config.py)
     gateway                   the ingress deployment (gRPC + OpenAI HTTP)
     colocated | prefill, decode   the engine deployments (mode picks which exist)
@@ -27,6 +27,7 @@ from .engine.config import EngineConfig
 from .gateway.api_keys import AuthConfig
 from .gateway.migration import DEFAULT_MAX_MIGRATIONS
 from .gateway.request_limits import RequestLimits
+from .gateway.tls import TLSConfig
 from .roles import Role
 from .router.config import IndexConfig, PolicyConfig, RedisConfig, RouterConfig, WorkerConfig
 from .workers.admission import AdmissionLimits
@@ -39,9 +40,11 @@ class ServerConfig(BaseModel):
 
     http_host: str = Field("127.0.0.1", description="HTTP (OpenAI API) listen address")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free one)")
-    grpc_port: int = Field(
-        9000, ge=0, le=65535, description="gRPC port (Ray Serve's gRPC proxy listens on all interfaces)"
+    grpc_host: str = Field(
+        "127.0.0.1",
+        description="gRPC listen address (set in Serve's proxy by Baton's hook, services/gateway/tls.py)",
     )
+    grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     metrics_port: int = Field(
         8080,
         ge=0,
@@ -56,6 +59,10 @@ class ServerConfig(BaseModel):
     limits: RequestLimits = Field(
         default_factory=RequestLimits,
         description="Request size and prompt length bounds, checked before work is spent; tokenizer threads",
+    )
+    tls: TLSConfig = Field(
+        default_factory=TLSConfig,
+        description="TLS on both APIs (HTTP and gRPC): certificate, key, and a client CA for mTLS; files read at start",
     )
 
 
