@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
+from ..autoscaling.signals import ReplicaSignals
 from ..engine.api.async_llm import AsyncLLM
 from ..engine.api.handover import Handover
 from ..engine.api.outputs import RequestOutput
@@ -50,6 +51,7 @@ class EngineWorker:
         self.role = role
         self.served_model_name = served_model_name
         self.admission = Admission(admission or AdmissionLimits())
+        self.signals = ReplicaSignals()  # what record_autoscaling_stats reports (autoscaling/signals.py)
         self.agent: WorkerAgent | None = None
         serve_name, serve_address = _serve_identity()
         address = replica_id or serve_address or f"local-{uuid.uuid4().hex[:8]}"
@@ -84,15 +86,24 @@ class EngineWorker:
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; if the caller goes away, the request is aborted."""
         self._admit(call)
+        self.signals.prefill_started()
+        prefilling = True
         try:
             stream = self.llm.add_request(call.request_id, call.prompt_token_ids, call.params, call.cache_salt)
             try:
                 async for output in stream.merged(call.params.output_kind):
                     self.admission.started(call.request_id)
+                    if prefilling:
+                        prefilling = False
+                        self.signals.prefill_finished(len(call.prompt_token_ids) - output.num_cached_tokens)
+                    self.signals.output(output, call.params.output_kind is RequestOutputKind.CUMULATIVE)
                     yield output
             finally:
                 await stream.aclose()
         finally:
+            if prefilling:
+                self.signals.prefill_finished(0)
+            self.signals.request_ended(call.request_id)
             self.admission.left(call.request_id)
 
     async def prefill(self, call: GenerateCall) -> RequestOutput:
@@ -100,6 +111,8 @@ class EngineWorker:
         on, the prompt's blocks stay leased and the output's `kv_transfer_params` say where."""
         self._admit(call)
         params = dataclasses.replace(call.params, output_kind=RequestOutputKind.FINAL_ONLY)
+        num_computed_tokens = 0
+        self.signals.prefill_started()
         try:
             stream = self.llm.add_request(
                 call.request_id, call.prompt_token_ids, params, call.cache_salt, handover=Handover.prefill()
@@ -108,10 +121,12 @@ class EngineWorker:
                 async for output in stream:
                     if output.finished:
                         self.admission.started(call.request_id)
+                        num_computed_tokens = len(call.prompt_token_ids) - output.num_cached_tokens
                         return output
             finally:
                 await stream.aclose()
         finally:
+            self.signals.prefill_finished(num_computed_tokens)
             self.admission.left(call.request_id)
         raise RuntimeError(f"prefill of {call.request_id} ended without output")
 
@@ -127,10 +142,12 @@ class EngineWorker:
             try:
                 async for output in stream.merged(call.params.output_kind):
                     self.admission.started(call.request_id)
+                    self.signals.output(output, call.params.output_kind is RequestOutputKind.CUMULATIVE)
                     yield output
             finally:
                 await stream.aclose()
         finally:
+            self.signals.request_ended(call.request_id)
             self.admission.left(call.request_id)
 
     async def set_kv_faults(self, faults: FaultInjection) -> None:
@@ -157,6 +174,14 @@ class EngineWorker:
 
     async def stats(self) -> EngineStats:
         return self.llm.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-autoscaling hook: called on the replica every `metrics_interval_s`
+        while the deployment autoscales; policies read it (autoscaling/policy.py)."""
+        llm = self.llm
+        if llm is None:
+            return {}
+        return self.signals.report(llm.stats(), self.admission.num_queued)
 
     async def check_integrity(self) -> EngineStats:
         """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
