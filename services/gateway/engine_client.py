@@ -36,6 +36,7 @@ class PlacementTrace:
     kv_path: KVPath = KVPath.COLOCATED
     prefill_worker: str = ""  # worker ids; a colocated worker is both
     decode_worker: str = ""
+    weight_version: str | None = None  # of the latest output (RL rollouts: the weights it came from)
 
 
 class EngineClient(ABC):

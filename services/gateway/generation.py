@@ -184,6 +184,7 @@ class GenerationService:
                         )
                     return
                 usage.cached_tokens = output.num_cached_tokens
+                trace.weight_version = output.weight_version or trace.weight_version
                 for completion in output.outputs:
                     usage.completion_tokens += len(completion.token_ids)
                     if first_token is None and completion.token_ids:

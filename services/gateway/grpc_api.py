@@ -130,6 +130,7 @@ def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.Gener
             )
         )
         trace = event.trace
+        response.weight_version = trace.weight_version or ""
         response.timings.CopyFrom(
             pb.Timings(
                 time_to_first_token_s=event.time_to_first_token_s or 0.0,

@@ -144,13 +144,14 @@ class OpenAIApi:
         forced_call: ForcedToolCall | None = None,
     ):
         accumulator = CompletionAccumulator(len(requests) * n)
-        total = None
+        total, weight_version = None, None
         try:
             for i, request in enumerate(requests):
                 async for event in self.service.stream(request):
                     accumulator.add(i * n + event.completion.index, event)
                     if event.finished:
                         total = _add_usage(total, event)
+                        weight_version = event.trace.weight_version
         except asyncio.CancelledError as error:
             self.record_error(error)
             raise
@@ -185,6 +186,7 @@ class OpenAIApi:
             "model": info.model,
             "choices": choices,
             "usage": usage_body(total),
+            "weight_version": weight_version,  # Baton's: the weights that produced it (RL rollouts)
         }
 
     async def _stream_completions(self, requests, n: int, response_id: str, body) -> AsyncIterator[dict]:
@@ -203,13 +205,16 @@ class OpenAIApi:
                 if body.return_token_ids:
                     choice["token_ids"] = list(event.completion.token_ids)
                 offsets[index] += len(event.completion.text)
-                yield {
+                chunk = {
                     "id": response_id,
                     "object": "text_completion",
                     "created": now(),
                     "model": info.model,
                     "choices": [choice],
                 }
+                if event.finished:
+                    chunk["weight_version"] = event.trace.weight_version
+                yield chunk
                 if event.finished:
                     total = _add_usage(total, event)
         if _include_usage(body):
@@ -255,7 +260,10 @@ class OpenAIApi:
                 }
                 if body.return_token_ids:  # the event's tokens go with its last chunk
                     choice["token_ids"] = list(completion.token_ids) if is_last else []
-                yield {**base, "choices": [choice]}
+                if event.finished and is_last:
+                    yield {**base, "choices": [choice], "weight_version": event.trace.weight_version}
+                else:
+                    yield {**base, "choices": [choice]}
             if event.finished:
                 usage = event.usage
         if _include_usage(body):
