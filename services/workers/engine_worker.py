@@ -187,6 +187,38 @@ class EngineWorker:
         """Checks block accounting on the engine thread; returns the stats it saw (tests)."""
         return await self.llm.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
 
+    # -- RL rollouts: the admin calls, through gateway/weight_admin.py -------------------
+    # Each answers (worker id, result), or None on the replica a broadcast skips.
+
+    async def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, skip_worker: str | None = None
+    ) -> tuple[str, str] | None:
+        if skip_worker == self.worker_id:
+            return None
+        return self.worker_id, await self.llm.update_weights_from_disk(path, weight_version)
+
+    async def pause_generation(self, mode: str = "abort") -> tuple[str, None]:
+        await self.llm.pause_generation(mode)
+        return self.worker_id, None
+
+    async def continue_generation(self) -> tuple[str, None]:
+        await self.llm.continue_generation()
+        return self.worker_id, None
+
+    async def reset_prefix_cache(self) -> tuple[str, bool]:
+        return self.worker_id, await self.llm.reset_prefix_cache()
+
+    async def sleep(self, level: int = 1) -> tuple[str, None]:
+        await self.llm.sleep(level)
+        return self.worker_id, None
+
+    async def wake_up(self) -> tuple[str, None]:
+        await self.llm.wake_up()
+        return self.worker_id, None
+
+    async def weight_version(self) -> tuple[str, str]:
+        return self.worker_id, self.llm.weight_version
+
     async def integrity_report(self) -> tuple[str, int, EngineStats]:
         """`check_integrity` with the worker id and process id: what fault-injection tests
         reach every replica of a role with (Serve's `broadcast`)."""
