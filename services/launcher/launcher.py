@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import BatonConfig, load_config, read_config_file
 from ..gateway.api_keys import ApiKeys
+from ..gateway.tls import proxy_environment
 from ..ray_env import import_ray
 from . import console_logging
 from .local_redis import LocalRedis, free_port
@@ -148,6 +149,10 @@ class LocalDeployment:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self.config
+        server = config.server
+        server.tls.check_files()
+        if server.tls.enabled and ray.is_initialized():  # the proxy hook's settings travel in Ray's environment
+            raise ValueError("server.tls needs a Ray that baton serve starts (Ray was already running here)")
         if config.router.redis is None:
             self.redis = LocalRedis(self.run_dir / "redis")
             config = config.model_copy(
@@ -156,7 +161,10 @@ class LocalDeployment:
             self.config = config
         if not ray.is_initialized():
             self._started_ray = True  # before: a stop after a half-done ray.init still shuts it down
-            with ray_keeps_our_sigterm_handler() if self.signals is not None else contextlib.nullcontext():
+            with (
+                ray_keeps_our_sigterm_handler() if self.signals is not None else contextlib.nullcontext(),
+                _environment(proxy_environment(server.tls, server.grpc_host)),  # Ray's processes inherit it
+            ):
                 ray.init(
                     include_dashboard=False,
                     num_cpus=self.num_cpus or local_num_cpus(config),
@@ -169,12 +177,16 @@ class LocalDeployment:
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         self.ray_logs_dir = _ray_logs_dir(ray)
-        server = config.server
         http_port = server.http_port or free_port()
         grpc_port = server.grpc_port or free_port()
         serve.start(
             proxy_location="HeadOnly",  # one proxy: several nodes on one machine would clash on the ports
-            http_options={"host": server.http_host, "port": http_port, "request_timeout_s": server.request_timeout_s},
+            http_options={
+                "host": server.http_host,
+                "port": http_port,
+                "request_timeout_s": server.request_timeout_s,
+                **server.tls.http_options(),
+            },
             grpc_options=gRPCOptions(
                 port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
             ),
@@ -182,10 +194,11 @@ class LocalDeployment:
         )
         self._deployed = True  # from here a stop drains what may have started
         serve.run(build_app(config, self.grace_period_s), name=config.name, route_prefix="/")
-        self.grpc_address = f"127.0.0.1:{grpc_port}"
+        self.grpc_address = f"{_dialled(server.grpc_host)}:{grpc_port}"
         node = ray.nodes()[0] if ray.nodes() else {}
         self.metrics_address = f"http://127.0.0.1:{node.get('MetricsExportPort', self.metrics_export_port)}/metrics"
-        self.http_address = f"http://{server.http_host}:{http_port}"
+        scheme = "https" if server.tls.enabled else "http"
+        self.http_address = f"{scheme}://{_dialled(server.http_host)}:{http_port}"
         return self
 
     def ray_temp_dir(self) -> str | None:
@@ -242,6 +255,28 @@ class LocalDeployment:
         self.stop()
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` in os.environ for the block (ray.init's processes copy it), then as it was."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _dialled(host: str) -> str:
+    """The address a client on this machine dials for a listen address (a wildcard: loopback)."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 def _ray_logs_dir(ray) -> Path | None:
     node = ray._private.worker._global_node  # Ray 2.60: the local node this driver started or joined
     return Path(node.get_logs_dir_path()) if node is not None else None
@@ -272,6 +307,7 @@ def serve_forever(
     try:
         config = resolve_config(config_path, model, overrides)
         auth = ApiKeys.from_config(config.server.auth).describe()  # the gateway reads them again, itself
+        config.server.tls.check_files()
         metrics_port = config.server.metrics_port or None
         check_ports_free(config.server, metrics_port)
     except PortInUse as e:
@@ -319,10 +355,19 @@ def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s
     print(f"Metrics {deployment.metrics_address}   (Prometheus)")
     print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
     print(f"Auth  {auth}")
+    print(f"TLS   {_describe_tls(config.server.tls)}")
     print(
         f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
         flush=True,
     )
+
+
+def _describe_tls(tls) -> str:
+    if not tls.enabled:
+        return "off (plaintext HTTP and gRPC)"
+    if tls.requires_client_cert:
+        return f"mTLS on HTTP and gRPC: certificate {tls.cert_file}, client certificates signed by {tls.client_ca_file}"
+    return f"on HTTP and gRPC: certificate {tls.cert_file}"
 
 
 def _stop(deployment: LocalDeployment, signals: StopSignals, grace_period_s: float) -> None:

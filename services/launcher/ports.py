@@ -3,8 +3,8 @@
 A port someone else holds would otherwise surface deep inside Ray (a 40-line traceback from
 Serve's proxy, after Ray and the local Redis are up); checked first, it is one line naming the
 port, the config key and the flag, and nothing has been started. The checks bind where the
-servers will: HTTP on `server.http_host`, Serve's gRPC proxy on every interface (`[::]`,
-dual-stack), Ray's metrics exporter on loopback (the local Ray's node address). SO_REUSEADDR
+servers will: HTTP on `server.http_host`, Serve's gRPC proxy on `server.grpc_host` (Baton's
+proxy hook binds it there, services/gateway/tls.py), Ray's metrics exporter on loopback (the local Ray's node address). SO_REUSEADDR
 lets a port whose last connections linger in TIME_WAIT pass, as the real servers would; a
 listening socket still fails the bind.
 """
@@ -40,7 +40,7 @@ def ports_to_check(server: ServerConfig, metrics_port: int | None) -> list[tuple
     """(config key, bind host, port) for each fixed port; 0 (a free port, picked later) is not checked."""
     wanted = [
         ("server.http_port", server.http_host, server.http_port),
-        ("server.grpc_port", "::", server.grpc_port),
+        ("server.grpc_port", server.grpc_host, server.grpc_port),
         ("server.metrics_port", "127.0.0.1", metrics_port or 0),
     ]
     return [(key, host, port) for key, host, port in wanted if port]
