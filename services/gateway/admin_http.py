@@ -1,6 +1,14 @@
 """The admin routes of the HTTP API (names as SGLang's), for RL rollouts:
 
     POST /update_weights_from_disk   {"model_path": DIR, "weight_version": "v7"?}
+    GET  /weight_update_ranks        {"num_engine_ranks": N, ...}: a trainer's group has N + 1
+    POST /init_weights_update_group  {"master_address", "master_port", "world_size", "group_name"?,
+                                      "backend"?, "rank_offset"?}: every replica joins (the
+                                      trainer, rank 0, joins at the same time)
+    POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "weight_version"?,
+                                      "group_name"?}: every replica receives the trainer's
+                                      broadcast (engine/execution/weight_sync.py's buckets)
+    POST /destroy_weights_update_group {"group_name"?}
     POST /pause_generation           {"mode": "abort" | "wait" | "keep"}
     POST /continue_generation
     POST /reset_prefix_cache
@@ -37,6 +45,27 @@ class UpdateFromDisk(_Body):
     weight_version: str | None = Field(None, description="The new version's name (default: a counter)")
 
 
+class InitGroup(_Body):
+    master_address: str
+    master_port: int = Field(gt=0, lt=65536)
+    world_size: int = Field(ge=2, description="The trainer (rank 0) and every engine rank")
+    group_name: str = "weight_update"
+    backend: str = "gloo"
+    rank_offset: int = Field(1, ge=1, description="The first engine rank (the trainer holds those before)")
+
+
+class UpdateFromDistributed(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    weight_version: str | None = None
+    group_name: str = "weight_update"
+
+
+class GroupName(_Body):
+    group_name: str = "weight_update"
+
+
 class Pause(_Body):
     mode: str = "abort"
 
@@ -69,6 +98,39 @@ def add_admin_routes(
             return JSONResponse(answer, status_code=200 if result.ok else 500)
 
         return await run(request, call)
+
+    @http.get("/weight_update_ranks")
+    async def weight_update_ranks(request: Request):
+        async def call():
+            ranks = await admin.weight_update_ranks()
+            return {"num_engine_ranks": sum(ranks.values()), "replicas": ranks}
+
+        return await run(request, call)
+
+    @http.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitGroup, request: Request):
+        async def call():
+            offsets = await admin.init_weights_update_group(
+                body.master_address, body.master_port, body.world_size, body.group_name, body.backend, body.rank_offset
+            )
+            return {"success": True, "rank_offsets": offsets}
+
+        return await run(request, call)
+
+    @http.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateFromDistributed, request: Request):
+        async def call():
+            result = await admin.update_weights_from_distributed(
+                body.names, body.dtypes, body.shapes, body.weight_version, body.group_name
+            )
+            answer = {"success": result.ok, "weight_version": result.weight_version, "updated": result.updated}
+            return JSONResponse({**answer, "failed": result.failed}, status_code=200 if result.ok else 500)
+
+        return await run(request, call)
+
+    @http.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: GroupName, request: Request):
+        return await run(request, lambda: _done(admin.destroy_weights_update_group(body.group_name)))
 
     @http.post("/pause_generation")
     async def pause_generation(body: Pause, request: Request):

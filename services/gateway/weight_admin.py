@@ -21,6 +21,7 @@ around the update (as RL loops do) for outputs of one version only.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,72 @@ class WeightAdmin:
                     result.updated.append(worker_id)
         return result
 
+    # -- from a trainer's torch.distributed group -------------------------------------
+
+    async def weight_update_ranks(self) -> dict[str, int]:
+        """worker id -> the group ranks it takes (its TP ranks): the trainer's group has
+        1 + their sum ranks, the trainer being rank 0."""
+        ranks: dict[str, int] = {}
+        for role in self.handles:
+            for worker_id, outcome in (await self._broadcast(role, "weight_update_ranks")).items():
+                if isinstance(outcome, BaseException):
+                    raise RuntimeError(f"replica {worker_id} did not answer: {outcome}")
+                ranks[worker_id] = outcome
+        return ranks
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        rank_offset: int = 1,
+    ) -> dict[str, int]:
+        """Every replica joins the trainer's group, replica after replica from `rank_offset`
+        (in worker-id order); returns each one's offset. The trainer joins meanwhile."""
+        ranks = await self.weight_update_ranks()
+        offsets, next_rank = {}, rank_offset
+        for worker_id in sorted(ranks):
+            offsets[worker_id] = next_rank
+            next_rank += ranks[worker_id]
+        if next_rank != world_size:
+            raise InvalidRequestError(
+                "world_size",
+                f"is {world_size}, but the engine ranks from rank_offset {rank_offset} end at {next_rank} "
+                f"({len(ranks)} replicas, {sum(ranks.values())} ranks)",
+            )
+        args = (master_address, master_port, offsets, world_size, group_name, backend)
+        await self._on_every_replica_at_once("init_weights_update_group", *args)
+        return offsets
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None,
+        group_name: str,
+    ) -> WeightUpdateResult:
+        """Every replica receives the trainer's broadcast at once (a collective: all or none
+        take part); each checks the bucket plan before it reads a byte."""
+        outcomes = await self._on_every_replica_at_once(
+            "update_weights_from_distributed", names, dtypes, shapes, weight_version, group_name, check=False
+        )
+        versions = {v for v in outcomes.values() if isinstance(v, str)}
+        result = WeightUpdateResult(versions.pop() if len(versions) == 1 else str(sorted(versions)))
+        for worker_id, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                result.failed[worker_id] = str(getattr(outcome, "cause", None) or outcome)
+            else:
+                result.updated.append(worker_id)
+        return result
+
+    async def destroy_weights_update_group(self, group_name: str) -> list[str]:
+        return await self._on_every_replica("destroy_weights_update_group", group_name)
+
+    # -- generation ---------------------------------------------------------------------
+
     async def pause_generation(self, mode: str = "abort") -> list[str]:
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError("mode", f"{mode!r} is not one of abort, wait, keep")
@@ -103,6 +170,15 @@ class WeightAdmin:
         if failed:
             raise RuntimeError(f"{method} failed on {failed}; done on {done}")
         return done
+
+    async def _on_every_replica_at_once(self, method: str, *args: Any, check: bool = True) -> dict[str, Any]:
+        """Like `_on_every_replica`, but every role's replicas together (a collective call)."""
+        per_role = await asyncio.gather(*(self._broadcast(role, method, *args) for role in self.handles))
+        outcomes = {worker_id: outcome for role_outcomes in per_role for worker_id, outcome in role_outcomes.items()}
+        failed = {w: str(getattr(o, "cause", None) or o) for w, o in outcomes.items() if isinstance(o, BaseException)}
+        if check and failed:
+            raise RuntimeError(f"{method} failed on {failed}")
+        return outcomes
 
     async def _broadcast(self, role: str, method: str, *args: Any, skip_worker: str | None = None) -> dict[str, Any]:
         """worker id -> its result (or the exception it raised), from every replica of `role`.

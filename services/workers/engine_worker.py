@@ -219,6 +219,35 @@ class EngineWorker:
     async def weight_version(self) -> tuple[str, str]:
         return self.worker_id, self.llm.weight_version
 
+    async def weight_update_ranks(self) -> tuple[str, int]:
+        """How many ranks of a trainer's group this replica takes (its TP ranks)."""
+        return self.worker_id, self.info.tp_size
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offsets: dict[str, int],
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> tuple[str, None]:
+        """Joins the trainer's group at this replica's offset (the gateway assigns them)."""
+        offset = rank_offsets[self.worker_id]
+        await self.llm.init_weights_update_group(master_address, master_port, offset, world_size, group_name, backend)
+        return self.worker_id, None
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str | None, group_name: str
+    ) -> tuple[str, str]:
+        return self.worker_id, await self.llm.update_weights_from_distributed(
+            names, dtypes, shapes, weight_version, group_name
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[str, None]:
+        await self.llm.destroy_weights_update_group(group_name)
+        return self.worker_id, None
+
     async def integrity_report(self) -> tuple[str, int, EngineStats]:
         """`check_integrity` with the worker id and process id: what fault-injection tests
         reach every replica of a role with (Serve's `broadcast`)."""
