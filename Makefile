@@ -33,12 +33,12 @@ test-fast: setup
 	$(BIN)/pytest tests -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check services kernels tests bench
-	$(BIN)/ruff format --check services kernels tests bench
+	$(BIN)/ruff check services kernels tests bench examples
+	$(BIN)/ruff format --check services kernels tests bench examples
 
 format: setup
-	$(BIN)/ruff check --fix services kernels tests bench
-	$(BIN)/ruff format services kernels tests bench
+	$(BIN)/ruff check --fix services kernels tests bench examples
+	$(BIN)/ruff format services kernels tests bench examples
 
 # Benchmarks print their baseline (measured in the same run) and the ratio; results are
 # recorded in docs/benchmarks.md with the command that produced them.
