@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .autoscaling.config import AutoscalingConfig
 from .engine.config import EngineConfig
 from .gateway.api_keys import AuthConfig
 from .gateway.migration import DEFAULT_MAX_MIGRATIONS
@@ -76,22 +77,6 @@ class ActorOptions(BaseModel):
     )
 
 
-class AutoscalingConfig(BaseModel):
-    model_config = _FROZEN
-
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas")
-    max_replicas: int = Field(4, ge=1, description="Most replicas")
-    target_ongoing_requests: float = Field(16.0, gt=0, description="Requests per replica the autoscaler aims for")
-    upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before adding a replica")
-    downscale_delay_s: float = Field(60.0, ge=0, description="How long load must stay low before removing one")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        return self
-
-
 class DeploymentConfig(BaseModel):
     model_config = _FROZEN
 
@@ -109,7 +94,7 @@ class DeploymentConfig(BaseModel):
         if self.autoscaling is None:
             options["num_replicas"] = self.num_replicas
         else:
-            options["autoscaling_config"] = self.autoscaling.model_dump()
+            options["autoscaling_config"] = self.autoscaling.serve_config()
         return options
 
 

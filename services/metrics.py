@@ -36,6 +36,12 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
            baton_spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total{role}
            (speculative decoding: verification passes, drafts verified, drafts accepted; acceptance rate =
            accepted / draft tokens), baton_spec_decode_num_accepted_tokens_per_pos_total{role,position}
+  autoscaler (Serve controller, services/autoscaling/policy.py, only for roles with Baton's policy)
+           baton_autoscaling_desired_replicas{role}   gauge  what the policy asks for (before Serve's delays)
+           baton_autoscaling_current_replicas{role}   gauge  running replicas it saw
+           baton_autoscaling_signal{role,signal}      gauge  the value of the signal behind the decision
+                                                    (signal: a services/autoscaling/signals.py key, e.g.
+                                                    baton_waiting_prompt_tokens, baton_kv_usage, baton_tpot_s)
 
 Everything here is created lazily in the process that records it (Ray's metric objects
 live per process).
@@ -100,6 +106,11 @@ def _metrics() -> dict[str, Any]:
             "Draft tokens accepted by position",
             ("role", "position"),
         ),
+        "autoscaling_desired": Gauge("baton_autoscaling_desired_replicas", "Replicas the policy asks for", role),
+        "autoscaling_current": Gauge("baton_autoscaling_current_replicas", "Running replicas", role),
+        "autoscaling_signal": Gauge(
+            "baton_autoscaling_signal", "The signal behind the autoscaling decision", ("role", "signal")
+        ),
     }
 
 
@@ -161,6 +172,14 @@ def record_fenced(role: str) -> None:
 
 def record_decision(role: str, reason: str) -> None:
     _metrics()["decisions"].inc(1, {"role": role, "reason": reason})
+
+
+def record_autoscaling(role: str, desired: int, current: int, signal: str, value: float) -> None:
+    """One autoscaling decision for `role` (services/autoscaling/policy.py)."""
+    m = _metrics()
+    m["autoscaling_desired"].set(desired, {"role": role})
+    m["autoscaling_current"].set(current, {"role": role})
+    m["autoscaling_signal"].set(value, {"role": role, "signal": signal})
 
 
 @dataclass(slots=True)

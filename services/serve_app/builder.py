@@ -72,6 +72,9 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
     from ray import serve
 
     stop_options = {} if grace_period_s is None else {"graceful_shutdown_timeout_s": grace_period_s}
+    if config.gateway.autoscaling is not None and config.gateway.autoscaling.policy is not None:
+        # Its rules read engine signals (services/autoscaling/policy.py); the gateway has none.
+        raise ValueError("gateway.autoscaling.policy: Baton's signal policy is for engine roles only")
     router_config = config.router_config() if config.router.redis is not None else None
     workers = {role: _engine_deployment(config, role, router_config, stop_options) for role in config.roles}
     gateway = serve.deployment(

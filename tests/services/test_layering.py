@@ -7,7 +7,8 @@ packages that share a layer stay independent of each other):
     model                  the model's layers and its loader
     kv_transfer            the KV handover's transports
     engine                 scheduler, KV cache, model runner; LLM and AsyncLLM
-    serving_errors, worker_calls   how serving maps engine errors; what the gateway sends workers
+    serving_errors, worker_calls, autoscaling   how serving maps engine errors; what the gateway
+                           sends workers; what replicas report to Serve's autoscaler and its policy
     router                 the prefix-aware router (its Serve request router reads worker calls)
     workers                the engine worker replica (registers with the router)
     gateway                gRPC and OpenAI HTTP in front of the workers
@@ -35,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("kv_transfer",),
     ("engine",),
-    ("serving_errors", "worker_calls"),
+    ("serving_errors", "worker_calls", "autoscaling"),
     ("router",),
     ("workers",),
     ("gateway",),
