@@ -4,6 +4,7 @@ redis-server (the prefix router's), faults injected by killing a replica's proce
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import tempfile
@@ -15,6 +16,7 @@ import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
 from baton.services.launcher.launcher import LocalDeployment, resolve_config
+from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import greedy_request
 from testlib.models import tiny_model
 from testlib.ray_cluster import local_ray
@@ -84,8 +86,8 @@ def offline():
 class Streams:
     """`prompts` streamed at once, each in its own thread; `started` once each has a token."""
 
-    def __init__(self, client: BatonClient, prompts: list[str], max_tokens: int = MAX_TOKENS) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, client: BatonClient, prompts: list[str], max_tokens: int = MAX_TOKENS, request=None) -> None:
+        self.request = request or (lambda prompt: greedy_request(prompt, max_tokens))
         self.tokens: dict[str, list[int]] = {p: [] for p in prompts}
         self.kv_paths: dict[str, str] = {}
         self.errors: list[BaseException] = []
@@ -97,7 +99,7 @@ class Streams:
     def _run(self, client: BatonClient, prompt: str) -> None:
         waited = False
         try:
-            for response in client.generate(greedy_request(prompt, self.max_tokens), timeout=120):
+            for response in client.generate(self.request(prompt), timeout=120):
                 self.tokens[prompt] += response.token_ids
                 self.kv_paths[prompt] = response.timings.kv_path or self.kv_paths.get(prompt, "")
                 if not waited and len(self.tokens[prompt]) >= 2:  # decoding: past the handover
@@ -229,6 +231,46 @@ def test_a_replica_that_misses_its_heartbeats_is_fenced_off(deployment, client, 
     settle("decode")
 
 
+SCHEMA = {  # bounded: the tiny model closes it well within max_tokens
+    "type": "object",
+    "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 12, "maxItems": 12}},
+    "required": ["flags"],
+    "additionalProperties": False,
+}
+
+
+def constrained_request(prompt: str) -> pb.GenerateRequest:
+    sampling = pb.SamplingParameters(max_tokens=200, temperature=0, json_schema=json.dumps(SCHEMA))
+    return pb.GenerateRequest(text=prompt, sampling=sampling)
+
+
+def test_constrained_streams_migrate_by_replaying_their_tokens(deployment, client):
+    """The new decode replica rebuilds each stream's grammar matcher from the tokens already
+    streamed: the JSON still validates and equals the undisturbed greedy output."""
+    from baton.services.engine.api.sampling_params import StructuredOutputKind, StructuredOutputParams
+    from ray import serve
+
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=256, max_model_len=512)
+    constraint = StructuredOutputParams(StructuredOutputKind.JSON, json.dumps(SCHEMA))
+    params = SamplingParams(max_tokens=200, temperature=0, structured_output=constraint)
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
+    llm.shutdown()
+    wait_for_replicas("decode", 2)
+    settle("decode")
+    handle = serve.get_deployment_handle("decode", app_name="baton")
+    streams = Streams(client, PROMPTS, request=constrained_request)
+    streams.first_token.wait()
+    _, busiest, _ = max(handle.broadcast("integrity_report").results(), key=lambda report: report[2].num_running)
+    os.kill(busiest, signal.SIGKILL)
+    streams.join()
+    assert not streams.errors, streams.errors
+    assert streams.tokens == expected
+    assert "migrated" in streams.kv_paths.values(), streams.kv_paths
+    wait_for_replicas("decode", 2)
+    settle("decode")
+
+
+# Last in this module: it leaves the application deployed from a config, with one decode replica.
 def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offline):
     """Deployed as KubeRay does (a Serve config; testlib/serve_deploy.py), a lower decode
     count only drains one decode replica: it takes nothing new, its streams that outlast the
