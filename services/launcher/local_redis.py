@@ -14,12 +14,21 @@ terminal's foreground group, and Redis must outlive the drain that follows, not 
 keystroke and be restarted. It is started under `setpriv --pdeathsig TERM` where util-linux
 has it: the kernel sends it SIGTERM when the thread that started it (the supervisor) dies, so
 a `kill -9` of `baton serve`, or any exit that skips `stop`, still leaves no redis-server.
+
+Optionally secured: `username` makes an ACL user with a generated password (kept in memory,
+written only as its SHA-256 into an ACL file of mode 0600, never on a command line), allowed
+the keys under `key_prefix` and no dangerous commands; the default user is off. `tls` serves
+a TLS port only (the plaintext port is off). `redis_config` and `environment` give the clients
+the matching settings (the password travels in BATON_REDIS_PASSWORD, the config names no secret).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +36,12 @@ import subprocess
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +52,19 @@ STOP_TIMEOUT_S = 10.0
 RETRY_DELAY_S = 0.5  # after a restart that did not come up (the port taken meanwhile, say)
 
 
+PASSWORD_ENV = "BATON_REDIS_PASSWORD"  # RedisConfig.password_env's default
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTLS:
+    """The local server's certificate and key, and the CA clients verify it with (which also
+    signs the client certificates it accepts; clients need none)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
 class LocalRedis:
     def __init__(
         self,
@@ -45,6 +72,9 @@ class LocalRedis:
         port: int | None = None,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
+        username: str | None = None,
+        key_prefix: str = "baton",
+        tls: RedisTLS | None = None,
     ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
@@ -57,6 +87,10 @@ class LocalRedis:
         self.port = port or free_port()
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
+        self.username = username
+        self.password = secrets.token_urlsafe(32) if username is not None else None
+        self.key_prefix = key_prefix
+        self.tls = tls
         self.num_restarts = 0  # servers started after the first
         self.exit_statuses: list[int] = []  # of the servers that died under it (Popen.returncode)
         self._process: subprocess.Popen | None = None
@@ -75,7 +109,25 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
+
+    def redis_config(self):
+        """The router's RedisConfig for this server (the password comes from `environment()`)."""
+        from ..router.config import RedisConfig
+
+        tls = {} if self.tls is None else {"tls_ca_file": self.tls.ca_file}
+        return RedisConfig(url=self.url, username=self.username, password_env=PASSWORD_ENV, **tls)
+
+    def environment(self) -> dict[str, str]:
+        """What every client process needs in its environment: the ACL user's password, if any."""
+        return {} if self.password is None else {PASSWORD_ENV: self.password}
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A client with this server's user and TLS, without retries (keyword arguments win)."""
+        settings: dict = {"username": self.username, "password": self.password, "retry": Retry(NoBackoff(), 0)}
+        if self.tls is not None:
+            settings |= {"ssl": True, "ssl_ca_certs": self.tls.ca_file}
+        return redis.Redis(host="127.0.0.1", port=self.port, **(settings | kwargs))
 
     @property
     def pid(self) -> int | None:
@@ -183,12 +235,19 @@ class LocalRedis:
         server = [
             self.binary,
             "--bind", "127.0.0.1",
-            "--port", str(self.port),
             "--dir", str(self.workdir),
             "--save", "",
             "--appendonly", "no",
             "--protected-mode", "yes",
         ]  # fmt: skip
+        if self.tls is None:
+            server += ["--port", str(self.port)]
+        else:
+            server += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "optional"]
+            server += ["--tls-cert-file", self.tls.cert_file, "--tls-key-file", self.tls.key_file]
+            server += ["--tls-ca-cert-file", self.tls.ca_file]
+        if self.username is not None:
+            server += ["--aclfile", str(self._write_acl_file())]
         setpriv = shutil.which("setpriv")
         return [setpriv, "--pdeathsig", "TERM", "--", *server] if setpriv else server
 
@@ -201,21 +260,30 @@ class LocalRedis:
                 )
             if self._stopping.is_set():
                 return  # stop() ends it
-            if _answers_ping(self.port):
+            if self._answers_ping():
                 return
             time.sleep(0.01)
         process.kill()
         process.wait(timeout=STOP_TIMEOUT_S)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s:g}s")
 
+    def _answers_ping(self) -> bool:
+        try:
+            with self.client(socket_timeout=0.2, socket_connect_timeout=0.2) as client:
+                return client.ping()
+        except redis.RedisError:
+            return False
 
-def _answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+    def _write_acl_file(self) -> Path:
+        """`users.acl`: the default user off; ours with the password's SHA-256, its keys, no
+        dangerous commands. Mode 0600 from the start."""
+        path = self.workdir / "users.acl"
+        digest = hashlib.sha256(self.password.encode()).hexdigest()
+        text = f"user default off\nuser {self.username} on #{digest} ~{self.key_prefix}:* +@all -@dangerous\n"
+        path.unlink(missing_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as acl:
+            acl.write(text)
+        return path
 
 
 def describe_exit(returncode: int) -> str:
