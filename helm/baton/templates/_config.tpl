@@ -2,7 +2,8 @@
 The Baton config (services/config.py BatonConfig) and the Serve config around it.
 
 values.config is passed through, with what depends on the cluster filled in:
-  server.http_host                    0.0.0.0 (Serve's proxies listen in the pod)
+  server.http_host, grpc_host         0.0.0.0 (Serve's proxies listen in the pod)
+  server.tls                          the mounted tls.existingSecret's files (_tls.tpl)
   router.redis.url, .password_env     from `redis`; every Ray pod gets the password from the
                                       Secret in that variable (never in the config itself)
   <role>.ray_actor_options.resources  baton_<role>: 1, which only that role's worker
@@ -26,7 +27,10 @@ Only the engine roles of config.mode are kept.
 {{- define "baton.config" -}}
 {{- $cfg := deepCopy .Values.config -}}
 {{- $_ := required "config.engine.model.model is required: the path of the model folder inside the pods (see model.volume)" (dig "engine" "model" "model" "" $cfg) -}}
-{{- $_ := set $cfg "server" (merge (dict "http_host" "0.0.0.0") (default dict $cfg.server)) -}}
+{{- $_ := set $cfg "server" (merge (dict "http_host" "0.0.0.0" "grpc_host" "0.0.0.0") (default dict $cfg.server)) -}}
+{{- with include "baton.tls.server" . | fromYaml -}}
+{{- $_ := set $cfg.server "tls" . -}}
+{{- end -}}
 {{- $roles := splitList "," (include "baton.roles" .) -}}
 {{- range $role := list "colocated" "prefill" "decode" -}}
 {{- if has $role $roles -}}
@@ -88,6 +92,13 @@ group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's
 {{- /* baton.services.launcher.launcher.GRPC_SERVICERS: parsers that answer malformed bytes with INVALID_ARGUMENT */ -}}
 {{- $servicers := list "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server" "baton.services.gateway.grpc_servicers.add_health_servicer_to_server" -}}
 {{- $grpc := dict "port" $cfg.server.grpc_port "grpc_servicer_functions" $servicers -}}
+{{- with $cfg.server.tls -}}
+{{- $_ := set $http "ssl_certfile" .cert_file -}}
+{{- $_ := set $http "ssl_keyfile" .key_file -}}
+{{- with .client_ca_file -}}
+{{- $_ := set $http "ssl_ca_certs" . -}}
+{{- end -}}
+{{- end -}}
 {{- with $cfg.server.request_timeout_s -}}
 {{- $_ := set $http "request_timeout_s" . -}}
 {{- $_ := set $grpc "request_timeout_s" . -}}

@@ -72,6 +72,7 @@ spec:
       {{- $env = prepend $env (dict "name" (default "BATON_ADMIN_API_KEYS" (get $auth "admin_api_keys_env")) "valueFrom" (dict "secretKeyRef" $adminKeys)) }}
       {{- end }}
       {{- end }}
+      {{- $env = concat (include "baton.tls.env" $root | fromYamlArray) $env }}
       env:
         {{- toYaml $env | nindent 8 }}
       {{- if gt (int $root.Values.shutdown.preStopSeconds) 0 }}
@@ -101,6 +102,9 @@ spec:
         {{- if $root.Values.model.volume }}
         - {name: model, mountPath: {{ $root.Values.model.mountPath }}, readOnly: true}
         {{- end }}
+        {{- if $root.Values.tls.existingSecret }}
+        - {name: baton-tls, mountPath: {{ $root.Values.tls.mountPath }}, readOnly: true}
+        {{- end }}
         {{- with $root.Values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -110,6 +114,10 @@ spec:
     - name: baton-config
       configMap:
         name: {{ include "baton.componentName" (list $root "config") }}
+    {{- with $root.Values.tls.existingSecret }}
+    - name: baton-tls
+      secret: {secretName: {{ . }}}
+    {{- end }}
     {{- with $root.Values.model.volume }}
     - name: model
       {{- toYaml . | nindent 6 }}
