@@ -287,4 +287,5 @@ class EngineCore:
             num_tokens=request.num_computed_tokens,
             block_size=self.config.cache.block_size,
             tp_size=self.config.parallel.tensor_parallel_size,
+            weight_version=self.weights.weight_version,
         )

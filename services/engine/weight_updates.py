@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -53,15 +53,29 @@ from .errors import EngineSleepingError
 from .execution.weight_sync import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
-    from .engine_core import EngineCore
     from .execution.model_rank import ModelRank
+
+
+class EngineCoreParts(Protocol):
+    """What weight updates use of the engine core (engine_core.py owns a WeightUpdates, so
+    this module names the parts it needs rather than importing the core)."""
+
+    executor: Any  # run_on_ranks
+    scheduler: Any  # preempt_running, kv.reset_prefix_cache, handover.weight_version
+    outputs: Any  # take_outputs
+
+    def abort_all(self) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def publish_kv_events(self) -> None: ...
+    def submit(self, prepared: PreparedRequest) -> None: ...
+
 
 PauseMode = Literal["abort", "wait", "keep"]
 _PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class WeightUpdates:
-    def __init__(self, core: EngineCore, initial_version: str = "0") -> None:
+    def __init__(self, core: EngineCoreParts, initial_version: str = "0") -> None:
         self.core = core
         self.weight_version = initial_version
         self._counter = int(initial_version) if initial_version.isdigit() else 0
@@ -238,6 +252,7 @@ class WeightUpdates:
             self.reset_prefix_cache()
         self._counter += 1
         self.weight_version = str(self._counter) if weight_version is None else str(weight_version)
+        self.core.scheduler.handover.weight_version = self.weight_version  # handed-over K/V must match it
         return self.weight_version
 
 

@@ -17,6 +17,7 @@ class KVTransferParams:
     num_tokens: int  # tokens whose K/V they hold (the prompt)
     block_size: int
     tp_size: int
+    weight_version: str | None = None  # of the weights that computed it (None: not checked)
 
 
 @dataclass(frozen=True, slots=True)

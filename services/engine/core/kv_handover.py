@@ -49,8 +49,24 @@ class KVHandover:
         self.num_recv_ok = 0
         self.num_recv_failed = 0
         self.num_leases_expired = 0
+        self.num_version_mismatches = 0
         self.bytes_received = 0
         self.recv_seconds = 0.0
+        # The engine's weight version (engine/weight_updates.py keeps it current): K/V that
+        # a prefill worker computed under another version is recomputed here, never read.
+        self.weight_version = "0"
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "num_kv_leases": len(self.leases),
+            "num_kv_receiving": len(self.receiving),
+            "kv_recv_ok": self.num_recv_ok,
+            "kv_recv_failed": self.num_recv_failed,
+            "kv_leases_expired": self.num_leases_expired,
+            "kv_version_mismatches": self.num_version_mismatches,
+            "kv_bytes_received": self.bytes_received,
+            "kv_recv_seconds": self.recv_seconds,
+        }
 
     @property
     def is_active(self) -> bool:
@@ -79,6 +95,16 @@ class KVHandover:
             self.release(transfer_id)
 
     # -- decode side ------------------------------------------------------------------
+
+    def accepts(self, request: Request) -> bool:
+        """Whether to fetch the request's prompt K/V: not if other weights computed it (then
+        the request is recomputed here, kv_path RECOMPUTED; the prefill side's lease expires)."""
+        version = request.remote_kv.weight_version
+        if version is None or version == self.weight_version:
+            return True
+        self.num_version_mismatches += 1
+        request.kv_path = KVPath.RECOMPUTED
+        return False
 
     def start_recv(self, request: Request) -> None:
         params = request.remote_kv

@@ -95,7 +95,6 @@ class Scheduler:
 
     def stats(self) -> dict[str, int | float]:
         """This scheduler's share of `EngineStats`: queues, KV cache and handover counters."""
-        handover = self.handover
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
@@ -105,13 +104,7 @@ class Scheduler:
             "prefix_cache_queries": self.num_prefix_cache_queries,
             "prefix_cache_hits": self.num_prefix_cache_hits,
             "num_warm_free_kv_blocks": self.kv.pool.num_warm_free_blocks,
-            "num_kv_leases": len(handover.leases),
-            "num_kv_receiving": len(handover.receiving),
-            "kv_recv_ok": handover.num_recv_ok,
-            "kv_recv_failed": handover.num_recv_failed,
-            "kv_leases_expired": handover.num_leases_expired,
-            "kv_bytes_received": handover.bytes_received,
-            "kv_recv_seconds": handover.recv_seconds,
+            **self.handover.stats(),
         }
 
     def check_integrity(self) -> None:
@@ -240,7 +233,7 @@ class Scheduler:
         while self.waiting and not preempted_now and budget > 0 and self._has_free_seq_slot():
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            if request.remote_kv is not None and request.kv_path is None:
+            if request.remote_kv is not None and request.kv_path is None and self.handover.accepts(request):
                 if not self._start_receiving(request, hits, num_hit_tokens):
                     break
                 continue

@@ -259,3 +259,32 @@ def test_requests_receiving_their_kv_count_against_max_num_seqs(engine, expected
     assert most <= 2
     assert all(firsts[i].token_ids + finished[i].token_ids == expected for i in ids)
     settle(d, p)
+
+
+def test_kv_from_other_weights_is_recomputed_not_read(engine):
+    """A weight version is part of what handed-over K/V means: the decode engine, updated
+    since the prefill engine computed the prompt, recomputes it on its own weights."""
+    from testlib.models import tiny_model
+
+    p, d = engine("prefill"), engine("decode")
+    d.weights.update_weights_from_disk(tiny_model("llama", seed=1))  # d: version "1", p: "0"
+    first = prefill(p, "other-weights")
+    assert first.kv_transfer_params.weight_version == "0"
+    out = decode(d, p, "other-weights", first)
+    assert out.kv_path == "recomputed" and out.weight_version == "1"
+    assert d.stats().kv_version_mismatches == 1 and d.stats().kv_recv_ok == 0
+    reference = LLM(model=str(tiny_model("llama", seed=1)), num_kv_blocks=64)
+    resumed = reference.core.prepare(
+        "ref",
+        PROMPT,
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+        handover=Handover.resume(first.token_ids),
+    )
+    reference.core.submit(resumed)
+    rest = run([reference.core], lambda f: "ref" in f)["ref"]
+    assert out.token_ids == rest.token_ids  # the new weights' continuation of prompt + first token
+    p.weights.update_weights_from_disk(tiny_model("llama", seed=1))  # both on "1": transferred again
+    first = prefill(p, "same-weights")
+    assert decode(d, p, "same-weights", first).kv_path == "transferred"
+    p.scheduler.handover.expire(float("inf"))  # the lease the first decode never claimed
+    settle(d, p)
