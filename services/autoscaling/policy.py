@@ -45,10 +45,12 @@ Knobs (policy_kwargs of Serve's AutoscalingPolicy; services/config.py SignalPoli
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from .. import metrics
 from . import role_board, signals
 
 STATE_SMOOTHED = "baton_smoothed_replicas"
@@ -166,14 +168,10 @@ class BatonAutoscalingPolicy:
 
 
 def _record(decision: Decision, ctx) -> None:
-    try:
-        from .. import metrics
-
+    with contextlib.suppress(Exception):  # metrics must never stop the autoscaler (no Ray in unit tests)
         metrics.record_autoscaling(
             decision.role, decision.desired, ctx.current_num_replicas, decision.signal, decision.signal_value
         )
-    except Exception:  # metrics must never stop the autoscaler (no Ray worker in unit tests)
-        pass
 
 
 def _mean(values: list[float]) -> float:
