@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .client_tls import ClientTLS, add_tls_arguments
 from .launcher.console_logging import DEFAULT_LEVEL, LEVELS
 
 # `baton serve` flag -> the key of the config's `server` section it sets
@@ -86,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from .launcher.launcher import serve_forever
 
-    return serve_forever(args.config, args.model, args.grace_period, overrides, args.log_level)
+    return serve_forever(args.config, args.model, args.grace_period, overrides, args.log_level, args.redis_acl)
 
 
 def _client_server(args: argparse.Namespace) -> ServerAddress | None:
@@ -114,7 +115,8 @@ def _status(args: argparse.Namespace) -> int:
     if server is None:
         return 2
     metrics_url = args.metrics_address or server.metrics
-    return print_status(server.grpc, server.application, metrics_url, args.timeout, args.api_key)
+    tls = ClientTLS.from_args(args)
+    return print_status(server.grpc, server.application, metrics_url, args.timeout, args.api_key, tls)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -140,6 +142,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser, application_default: 
         "--application", default=application_default, help="Serve application name (default: the config's, baton)"
     )
     where.add_argument("--api-key", default=None, help="API key, sent as a bearer token (default: $BATON_API_KEY)")
+    add_tls_arguments(where)
 
 
 def _add_serve_parser(sub) -> None:
@@ -163,12 +166,17 @@ def _add_serve_parser(sub) -> None:
     network.add_argument("--host", default=None, help="HTTP listen address (server.http_host; default 127.0.0.1)")
     network.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (server.http_port; 8000)")
     network.add_argument(
-        "--grpc-port", type=int, default=None, help="gRPC port, on all interfaces (server.grpc_port; 9000)"
+        "--grpc-port", type=int, default=None, help="gRPC port, on server.grpc_host (server.grpc_port; 9000)"
     )
     network.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus port (server.metrics_port; 8080; 0: a free one)"
     )
     run = serve.add_argument_group("running")
+    run.add_argument(
+        "--redis-acl",
+        action="store_true",
+        help="the local Redis gets an ACL user `baton` with a generated password (the default user off)",
+    )
     run.add_argument(
         "--grace-period",
         type=float,

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import ssl
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc as pb_grpc
+
+from .client_tls import ClientTLS
 
 API_KEY_ENV = "BATON_API_KEY"  # the key clients send when not given one
 
@@ -27,54 +27,6 @@ def call_metadata(application: str, api_key: str | None = None) -> tuple[tuple[s
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     metadata = (("application", application),)
     return metadata if api_key is None else (*metadata, ("authorization", f"Bearer {api_key}"))
-
-
-@dataclass(frozen=True, slots=True)
-class ClientTLS:
-    """TLS towards a Baton server: its CA (None: the system's) and, for mTLS, a client certificate."""
-
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("a client certificate needs its key: give --tls-cert and --tls-key together")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ClientTLS | None:
-        """From `--tls-ca`, `--tls-cert`, `--tls-key` (`add_tls_arguments`); None if none is given."""
-        files = (args.tls_ca, args.tls_cert, args.tls_key)
-        return None if all(f is None for f in files) else cls(*files)
-
-    def grpc_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file, "--tls-ca"),
-            private_key=_read(self.key_file, "--tls-key"),
-            certificate_chain=_read(self.cert_file, "--tls-cert"),
-        )
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """For HTTP clients (httpx's `verify=`, hence the openai client's `http_client`)."""
-        context = ssl.create_default_context(cafile=self.ca_file)
-        if self.cert_file is not None:
-            context.load_cert_chain(self.cert_file, self.key_file)
-        return context
-
-
-def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    parser.add_argument("--tls-ca", default=None, help="TLS: CA file that signed the server's certificate")
-    parser.add_argument("--tls-cert", default=None, help="mTLS: this client's certificate (PEM)")
-    parser.add_argument("--tls-key", default=None, help="mTLS: this client's private key (PEM)")
-
-
-def _read(path: str | None, option: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"{option}: cannot read {path}: {e.strerror or e}") from e
 
 
 def open_channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
@@ -112,7 +64,7 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    client = BatonClient(args.address, args.application, args.api_key)
+    client = BatonClient(args.address, args.application, args.api_key, ClientTLS.from_args(args))
     try:
         for response in client.generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
             sys.stdout.write(response.text)
@@ -203,13 +155,20 @@ def read_metrics(text: str, application: str) -> ServerMetrics:
     return metrics
 
 
-def print_status(address: str, application: str, metrics_url: str, timeout_s: float, api_key: str | None = None) -> int:
+def print_status(
+    address: str,
+    application: str,
+    metrics_url: str,
+    timeout_s: float,
+    api_key: str | None = None,
+    tls: ClientTLS | None = None,
+) -> int:
     """`baton status`: 1 when no Baton answers at `address`."""
     import urllib.request
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    client = BatonClient(address, application, api_key)
+    client = BatonClient(address, application, api_key, tls)
     try:
         health = health_pb2_grpc.HealthStub(client.channel).Check(
             health_pb2.HealthCheckRequest(), metadata=client.metadata, timeout=timeout_s

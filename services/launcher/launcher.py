@@ -44,6 +44,7 @@ DRAIN_POLL_S = 0.25
 # bytes with INVALID_ARGUMENT (gateway/grpc_servicers.py); the Helm chart names the same.
 GRPC_SERVICERS = [
     "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server",
+    "baton.services.gateway.grpc_servicers.add_admin_servicer_to_server",
     "baton.services.gateway.grpc_servicers.add_health_servicer_to_server",
 ]
 
@@ -122,6 +123,7 @@ class LocalDeployment:
     signals: StopSignals | None = None  # `baton serve`'s handlers, installed again right after ray.init
     log_level: str | None = None  # Serve's processes log at this level or INFO, the lower (None: Serve's default)
     ray_logs_dir: Path | None = None  # Ray's and Serve's own logs (the session's logs/ folder), once started
+    redis_acl: bool = False  # the local Redis (if started) gets an ACL user with a generated password
     _started_ray: bool = field(default=False, repr=False)
     _deployed: bool = field(default=False, repr=False)
 
@@ -154,16 +156,16 @@ class LocalDeployment:
         if server.tls.enabled and ray.is_initialized():  # the proxy hook's settings travel in Ray's environment
             raise ValueError("server.tls needs a Ray that baton serve starts (Ray was already running here)")
         if config.router.redis is None:
-            self.redis = LocalRedis(self.run_dir / "redis")
+            self.redis = LocalRedis(self.run_dir / "redis", username="baton" if self.redis_acl else None)
             config = config.model_copy(
-                update={"router": config.router.model_copy(update={"redis": _redis_config(self.redis.url)})}
+                update={"router": config.router.model_copy(update={"redis": self.redis.redis_config()})}
             )
             self.config = config
         if not ray.is_initialized():
             self._started_ray = True  # before: a stop after a half-done ray.init still shuts it down
             with (
                 ray_keeps_our_sigterm_handler() if self.signals is not None else contextlib.nullcontext(),
-                _environment(proxy_environment(server.tls, server.grpc_host)),  # Ray's processes inherit it
+                _environment(self._environment()),  # Ray's processes inherit it
             ):
                 ray.init(
                     include_dashboard=False,
@@ -200,6 +202,11 @@ class LocalDeployment:
         scheme = "https" if server.tls.enabled else "http"
         self.http_address = f"{scheme}://{_dialled(server.http_host)}:{http_port}"
         return self
+
+    def _environment(self) -> dict[str, str]:
+        """What Ray's processes need from us: the proxy hook's settings, the local Redis's password."""
+        env = proxy_environment(self.config.server.tls, self.config.server.grpc_host)
+        return env | (self.redis.environment() if self.redis is not None else {})
 
     def ray_temp_dir(self) -> str | None:
         """Ray's temp folder: `$RAY_TMPDIR/ray` when RAY_TMPDIR is set (Ray's own rule), else the
@@ -286,18 +293,13 @@ def _serve_log_level(level: str) -> str:
     return "DEBUG" if level.lower() == "debug" else "INFO"
 
 
-def _redis_config(url: str):
-    from ..router.config import RedisConfig
-
-    return RedisConfig(url=url)
-
-
 def serve_forever(
     config_path: str | None,
     model: str | None,
     grace_period_s: float | None = None,
     overrides: dict[str, Any] | None = None,
     log_level: str = console_logging.DEFAULT_LEVEL,
+    redis_acl: bool = False,
 ) -> int:
     """`baton serve`: 0 after a stop by signal; 2 for a bad config and 1 for a busy port, each
     one line on stderr with nothing started."""
@@ -323,6 +325,7 @@ def serve_forever(
         grace_period_s=grace_period_s,
         signals=signals,
         log_level=log_level,
+        redis_acl=redis_acl,
     )
     print(f"starting Baton ({config.mode}, model {config.served_model_name}) ...", flush=True)
     failure: PortInUse | None = None
@@ -351,7 +354,8 @@ def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s
     print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
     print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
     if deployment.redis is not None:
-        print(f"Redis {deployment.redis.url}   (local, pid {deployment.redis.pid}; restarted if it dies)")
+        user = f", ACL user {deployment.redis.username}" if deployment.redis.username else ""
+        print(f"Redis {deployment.redis.url}   (local, pid {deployment.redis.pid}{user}; restarted if it dies)")
     print(f"Metrics {deployment.metrics_address}   (Prometheus)")
     print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
     print(f"Auth  {auth}")

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..client_tls import ClientTLS
 from .backends import make_backend
 from .backends.base import Backend, BenchRequest, SamplingOptions, ServerInfo
 from .errors import BenchInputError
@@ -44,6 +45,7 @@ class BenchmarkSpec:
     application: str = "baton"  # gRPC: the Serve application name
     endpoint: str = "completions"  # HTTP: completions | chat
     api_key: str | None = None  # HTTP: sent as a bearer token
+    tls: ClientTLS | None = None  # TLS towards the server (its CA; a client certificate for mTLS)
     tokenizer: str | None = None  # a local tokenizer folder (HTTP: counts and decodes; gRPC: optional)
     vocab_size: int | None = None  # random token ids are < this; None: the server's (gRPC) or the tokenizer's
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -101,6 +103,7 @@ async def run_benchmark(spec: BenchmarkSpec) -> dict[str, Any]:
         application=spec.application,
         endpoint=spec.endpoint,
         api_key=spec.api_key,
+        tls=spec.tls,
     )
     try:
         info = await backend.probe(spec.model)

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..client_tls import ClientTLS, add_tls_arguments  # argparse and ssl only: cheap
+
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt")
 DEFAULT_ADDRESS = {"grpc": "127.0.0.1:9000", "openai": "http://127.0.0.1:8000"}
 DEFAULT_NUM_REQUESTS = 100
@@ -57,6 +59,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="API key, sent as a bearer token (default: $BATON_API_KEY; HTTP: else $OPENAI_API_KEY)",
     )
+    add_tls_arguments(server)
     server.add_argument("--tokenizer", default=None, help="local tokenizer folder (HTTP: token counts, decoding)")
     server.add_argument("--vocab-size", type=int, default=None, help="random token ids are below this")
 
@@ -158,6 +161,7 @@ def build_spec(args: argparse.Namespace):
         application=args.application,
         endpoint=args.endpoint,
         api_key=api_key(args.api_key, args.backend),
+        tls=ClientTLS.from_args(args),
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         sampling=SamplingOptions(args.temperature, not args.no_ignore_eos),

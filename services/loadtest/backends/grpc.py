@@ -20,6 +20,7 @@ import grpc
 from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc as pb_grpc
 
+from ...client_tls import ClientTLS
 from ..errors import BenchInputError
 from ..records import Response, Usage
 from .base import Backend, BenchRequest, SamplingOptions, ServerInfo, unreachable
@@ -40,8 +41,10 @@ class GrpcBackend(Backend):
         application: str = "baton",
         num_channels: int = 4,
         api_key: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         super().__init__(address, sampling or SamplingOptions(), timeout_s, connect_timeout_s, tokenizer)
+        self.tls = tls
         self.metadata = (("application", application),)
         if api_key:
             self.metadata += (("authorization", f"Bearer {api_key}"),)
@@ -53,9 +56,14 @@ class GrpcBackend(Backend):
 
     def _stub(self) -> pb_grpc.InferenceStub:
         if not self._stubs:  # grpc.aio channels belong to the running event loop: made on first use
-            self._channels = [grpc.aio.insecure_channel(self.address) for _ in range(self.num_channels)]
+            self._channels = [self._channel() for _ in range(self.num_channels)]
             self._stubs = [pb_grpc.InferenceStub(c) for c in self._channels]
         return self._stubs[next(self._next_stub) % len(self._stubs)]
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.address)
+        return grpc.aio.secure_channel(self.address, self.tls.grpc_credentials())
 
     async def probe(self, model: str | None) -> ServerInfo:
         stub = self._stub()

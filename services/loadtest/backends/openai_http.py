@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import httpx
 
+from ...client_tls import ClientTLS
 from ..errors import BenchInputError
 from ..records import Response, Usage
 from .base import Backend, BenchRequest, SamplingOptions, ServerInfo, unreachable
@@ -57,6 +58,7 @@ class OpenAIHttpBackend(Backend):
         endpoint: Endpoint = "completions",
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,  # tests: an httpx.MockTransport
+        tls: ClientTLS | None = None,
     ) -> None:
         super().__init__(address, sampling or SamplingOptions(), timeout_s, connect_timeout_s, tokenizer)
         if endpoint not in ("completions", "chat"):
@@ -70,6 +72,7 @@ class OpenAIHttpBackend(Backend):
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
             transport=transport,
+            verify=tls.ssl_context() if tls is not None else True,
         )
 
     async def probe(self, model: str | None) -> ServerInfo:

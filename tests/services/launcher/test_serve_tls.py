@@ -1,7 +1,7 @@
 """TLS and mTLS on both APIs of a real `baton serve` (one server for the module, with a
 throwaway CA): the openai client over HTTPS and the gRPC client over TLS, each with a client
 certificate, are served; without a certificate, with a certificate from another CA, or in
-plaintext, neither API serves. The gRPC port listens on loopback only (Baton's proxy hook),
+plaintext, neither API serves. Its local Redis has an ACL user (`--redis-acl`). The gRPC port listens on loopback only (Baton's proxy hook),
 and a TLS file that cannot be read stops `baton serve` before anything starts, naming its field."""
 
 from __future__ import annotations
@@ -48,12 +48,14 @@ def server(workdir, pki) -> Iterator[tuple[int, int]]:
         "--set", f"server.tls.cert_file={pki.server_cert_file}",
         "--set", f"server.tls.key_file={pki.server_key_file}",
         "--set", f"server.tls.client_ca_file={pki.ca_file}",
+        "--redis-acl",  # and the local Redis behind it with an ACL user and a generated password
     ]  # fmt: skip
     serve = BatonServe(workdir, tiny_model("llama"), 10, extra_args=flags, env={"RAY_TMPDIR": str(workdir / "rt")})
     try:
         serve.wait_ready()
         assert f"HTTP  https://127.0.0.1:{http_port}/v1" in serve.text()
         assert "TLS   mTLS on HTTP and gRPC" in serve.text()
+        assert "ACL user baton; restarted if it dies" in serve.text()
         yield http_port, grpc_port
     finally:
         if serve.process.poll() is None or session_pids(serve.session_id):
@@ -164,3 +166,21 @@ def test_tls_config_checks():
         "ssl_keyfile": "k",
         "ssl_ca_certs": "ca",
     }
+
+
+def test_baton_generate_and_bench_take_the_tls_options(server, pki, workdir):
+    http_port, grpc_port = server
+    tls = ["--tls-ca", str(pki.ca_file), "--tls-cert", str(pki.client_cert_file), "--tls-key", str(pki.client_key_file)]
+    done = baton("generate", "--address", f"127.0.0.1:{grpc_port}", "def main():", "--max-tokens", "4", *tls)
+    assert done.returncode == 0 and "4 generated" in done.stderr, done.stderr
+    refused = baton("generate", "--address", f"127.0.0.1:{grpc_port}", "x", "--tls-ca", str(pki.ca_file))
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused.stderr
+    for backend, address in (("grpc", f"127.0.0.1:{grpc_port}"), ("openai", f"https://127.0.0.1:{http_port}/v1")):
+        out = workdir / f"bench-{backend}"
+        bench = ["bench", "run", "--backend", backend, "--address", address, "--num-requests", "2"]
+        bench += ["--input-len", "8", "--output-len", "4", "--out", str(out)]
+        if backend == "openai":
+            bench += ["--tokenizer", str(tiny_model("llama"))]
+        done = baton(*bench, *tls, timeout_s=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert (out / "result.json").is_file()
