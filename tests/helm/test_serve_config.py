@@ -192,8 +192,28 @@ def test_autoscaling_sizes_worker_groups_from_replica_bounds(rendered):
             math.ceil(bounds.max_replicas / 2),
         )
         assert group["replicas"] == group["minReplicas"]
-    assert config.prefill.autoscaling.target_ongoing_requests == 8
-    assert config.gateway.autoscaling.max_replicas == 4
+    assert config.gateway.autoscaling.max_replicas == 4 and config.gateway.autoscaling.policy is None
+
+
+def test_signal_autoscaling_reaches_serve_as_its_policy(rendered):
+    """The engine roles' `autoscaling.policy` goes to Serve's per-deployment options (not the
+    args) with its policy_function filled in, and Serve builds Baton's policy from it."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+    objects = rendered("autoscaling")
+    (app,) = serve_config(objects)["applications"]
+    options = {d["name"]: d for d in app["deployments"]}
+    assert "autoscaling" not in app["args"]["config"]["prefill"]
+    for role, knob, value in (("prefill", "ttft_target_s", 1.0), ("decode", "kv_usage_target", 0.7)):
+        serve = ServeAutoscalingConfig(**options[role]["autoscaling_config"])
+        assert serve.policy.policy_function == "baton.services.autoscaling.policy:BatonAutoscalingPolicy"
+        policy = _resolve_policy_callable(serve.policy)  # what Serve's controller runs
+        assert getattr(policy.knobs, knob) == value and policy.knobs.max_prefill_decode_ratio == 1.5
+    config = BatonConfig.model_validate(baton_config(objects))
+    assert config.prefill.autoscaling.policy.policy_kwargs.ttft_target_s == 1.0
+    assert config.decode.autoscaling.policy.policy_kwargs.tpot_target_s == 0.05
+    assert "policy" not in options["gateway"]["autoscaling_config"]
 
 
 def test_fixed_replicas_keep_the_autoscaler_off(rendered):

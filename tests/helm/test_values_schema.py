@@ -17,6 +17,30 @@ _REFUSED = [
     ({"workers": {"decode": {"gpus": "8"}}}, "at '/workers/decode/gpus': got string, want integer"),
     ({"head": {"rayStartParams": {"num-cpus": 0}}}, "at '/head/rayStartParams/num-cpus': got number, want string"),
     ({"config": {"decode": {"autoscaling": {"min_replicas": 1}}}}, "missing property 'max_replicas'"),
+    (
+        {
+            "config": {
+                "decode": {
+                    "autoscaling": {
+                        "min_replicas": 1,
+                        "max_replicas": 2,
+                        "policy": {"policy_kwargs": {"kv_usage_target": 2}},
+                    }
+                }
+            }
+        },
+        "at '/config/decode/autoscaling/policy/policy_kwargs/kv_usage_target'",
+    ),
+    (
+        {
+            "config": {
+                "prefill": {
+                    "autoscaling": {"min_replicas": 1, "max_replicas": 2, "policy": {"policy_function": "my:policy"}}
+                }
+            }
+        },
+        "at '/config/prefill/autoscaling/policy/policy_function'",
+    ),
     ({"config": {"engine": {"cache": {"block_size": 12}}}}, "at '/config/engine/cache/block_size'"),
     ({"config": {"engine": {"model": {"model": ""}}}}, "config.engine.model.model is required"),
     ({"workers": {"prefill": {"gpus": 1}}}, "must both be 0 or both > 0"),

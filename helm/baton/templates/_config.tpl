@@ -9,6 +9,7 @@ values.config is passed through, with what depends on the cluster filled in:
   <role>.ray_actor_options.resources  baton_<role>: 1, which only that role's worker
                                       group offers, so replicas land on their own pods
   <role>.ray_actor_options.num_gpus   1 on a GPU group with tensor_parallel_size 1 (unless set)
+  <role>.autoscaling.policy           policy_function: Baton's signal policy (the only one allowed)
 Only the engine roles of config.mode are kept.
 */}}
 
@@ -43,6 +44,9 @@ Only the engine roles of config.mode are kept.
 {{- $_ := set $options "num_gpus" 1 -}}
 {{- end -}}
 {{- $_ := set $section "ray_actor_options" $options -}}
+{{- with (default dict $section.autoscaling).policy -}}{{/* Serve would run its own policy without it */}}
+{{- $_ := set . "policy_function" (default "baton.services.autoscaling.policy:BatonAutoscalingPolicy" .policy_function) -}}
+{{- end -}}
 {{- $_ := set $cfg $role $section -}}
 {{- else -}}
 {{- $_ := unset $cfg $role -}}
