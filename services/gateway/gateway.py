@@ -33,6 +33,7 @@ from .admin_http import add_admin_routes
 from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
+from .grpc_admin import GrpcAdmin
 from .openai_api import OpenAIApi, build_http_app
 from .request_limits import RequestLimits
 from .weight_admin import WeightAdmin
@@ -40,7 +41,7 @@ from .weight_admin import WeightAdmin
 logger = logging.getLogger(__name__)
 
 
-class Gateway:
+class Gateway(GrpcAdmin):
     def __init__(
         self,
         engine_client: EngineClient,

@@ -54,6 +54,12 @@ def add_inference_servicer_to_server(servicer: Any, server: Any) -> None:
     add_service(inference_pb2.DESCRIPTOR.services_by_name["Inference"], servicer, server)
 
 
+def add_admin_servicer_to_server(servicer: Any, server: Any) -> None:
+    from baton.v1 import inference_pb2
+
+    add_service(inference_pb2.DESCRIPTOR.services_by_name["Admin"], servicer, server)
+
+
 def add_health_servicer_to_server(servicer: Any, server: Any) -> None:
     from grpc_health.v1 import health_pb2
 

@@ -94,7 +94,7 @@ group: rank i in bundle i, {CPU: 1, GPU: 1} a rank). Bundle 0 carries the role's
 {{- $cfg := include "baton.config" . | fromYaml -}}
 {{- $http := dict "host" "0.0.0.0" "port" $cfg.server.http_port -}}
 {{- /* baton.services.launcher.launcher.GRPC_SERVICERS: parsers that answer malformed bytes with INVALID_ARGUMENT */ -}}
-{{- $servicers := list "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server" "baton.services.gateway.grpc_servicers.add_health_servicer_to_server" -}}
+{{- $servicers := list "baton.services.gateway.grpc_servicers.add_inference_servicer_to_server" "baton.services.gateway.grpc_servicers.add_admin_servicer_to_server" "baton.services.gateway.grpc_servicers.add_health_servicer_to_server" -}}
 {{- $grpc := dict "port" $cfg.server.grpc_port "grpc_servicer_functions" $servicers -}}
 {{- with $cfg.server.tls -}}
 {{- $_ := set $http "ssl_certfile" .cert_file -}}

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from baton.services.client import BatonClient
@@ -131,3 +132,30 @@ def test_admin_calls_need_an_admin_key_only_when_keys_are_configured(deployment)
     # This deployment has no keys: open, as every other route. The keyed case is unit-tested
     # beside the routes (admin_http.py) with the gateway's own key checks.
     assert httpx.get(f"{deployment.http_address}/weight_version", timeout=30).status_code == 200
+
+
+def test_the_grpc_admin_service(deployment):
+    from baton.v1 import inference_pb2 as pb
+    from baton.v1 import inference_pb2_grpc as pb_grpc
+
+    client = BatonClient(deployment.grpc_address)
+    try:
+        admin = pb_grpc.AdminStub(client.channel)
+        versions = admin.GetWeightVersion(pb.GetWeightVersionRequest(), metadata=client.metadata, timeout=60)
+        assert len(versions.replicas) == 2 and versions.weight_version == httpx_version(deployment)
+        paused = admin.PauseGeneration(pb.PauseGenerationRequest(mode="wait"), metadata=client.metadata, timeout=60)
+        assert paused.success and len(paused.replicas) == 2
+        resumed = admin.ContinueGeneration(pb.ContinueGenerationRequest(), metadata=client.metadata, timeout=60)
+        assert resumed.success and len(resumed.replicas) == 2
+        with pytest.raises(grpc.RpcError) as refused:
+            admin.UpdateWeightsFromDisk(
+                pb.UpdateWeightsFromDiskRequest(model_path="/nonexistent/model"), metadata=client.metadata, timeout=60
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert "no replica changed" in refused.value.details()
+    finally:
+        client.close()
+
+
+def httpx_version(deployment) -> str:
+    return versions(deployment)["weight_version"]
