@@ -50,7 +50,7 @@ def check_access(client: redis.Redis, config: RedisConfig) -> None:
             f"Baton runs on keys `{config.key_prefix}:*` (e.g. `~{config.key_prefix}:* +@all -@dangerous`)"
         ) from e
     except redis.ConnectionError as e:
-        if "SSL" in str(e) or "certificate" in str(e):
+        if any(sign in str(e) for sign in ("SSL", "certificate", "No such file")):  # a missing TLS file too
             raise RedisAccessError(
                 f"{where}: TLS failed ({_first_line(e)}): check router.redis.tls_ca_file, tls_cert_file, tls_key_file"
             ) from e

@@ -118,9 +118,10 @@ def test_grpc_refuses_without_mtls(server, pki, case):
         client.close()
 
 
-def test_grpc_listens_on_loopback_only(server):
-    _, grpc_port = server
-    assert listening_addresses(grpc_port) == {"127.0.0.1"}
+def test_both_apis_listen_on_loopback_only(server):
+    http_port, grpc_port = server
+    assert listening_addresses(grpc_port) == {"127.0.0.1"}  # Serve alone: [::]
+    assert listening_addresses(http_port) == {"127.0.0.1"}
 
 
 def listening_addresses(port: int) -> set[str]:

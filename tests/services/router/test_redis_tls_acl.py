@@ -88,6 +88,12 @@ def test_a_server_certificate_from_another_ca_fails_at_start(secured_redis, pki)
         create_redis_client(config.redis)
 
 
+def test_a_missing_ca_file_fails_at_start(secured_redis, pki, tmp_path):
+    config = router_config(secured_redis, pki, tls_ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(RedisAccessError, match="TLS failed.*No such file.*router.redis.tls_ca_file"):
+        create_redis_client(config.redis)
+
+
 def test_plaintext_to_the_tls_port_gets_nothing(secured_redis):
     plain = redis.Redis(host="127.0.0.1", port=secured_redis.port, socket_timeout=1, retry=NO_RETRIES)
     with pytest.raises(redis.ConnectionError):
