@@ -56,7 +56,7 @@ Only the engine roles of config.mode are kept.
 {{- if eq (include "baton.redis.mode" .) "none" -}}
 {{- $_ := unset $router "redis" -}}
 {{- else -}}
-{{- $redis := merge (dict "url" (include "baton.redis.url" .)) (default dict $router.redis) -}}
+{{- $redis := merge (dict "url" (include "baton.redis.url" .)) (default dict $router.redis) (include "baton.redis.securityConfig" . | fromYaml) -}}
 {{- $_ := set $redis "password_env" (ternary (include "baton.redis.passwordEnv" .) nil (eq (include "baton.redis.hasPassword" .) "true")) -}}
 {{- $_ := set $router "redis" $redis -}}
 {{- end -}}

@@ -105,6 +105,9 @@ spec:
         {{- if $root.Values.tls.existingSecret }}
         - {name: baton-tls, mountPath: {{ $root.Values.tls.mountPath }}, readOnly: true}
         {{- end }}
+        {{- if include "baton.redis.tls" $root }}
+        - {name: redis-tls, mountPath: {{ $root.Values.redis.tls.mountPath }}, readOnly: true}
+        {{- end }}
         {{- with $root.Values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -117,6 +120,10 @@ spec:
     {{- with $root.Values.tls.existingSecret }}
     - name: baton-tls
       secret: {secretName: {{ . }}}
+    {{- end }}
+    {{- if include "baton.redis.tls" $root }}
+    - name: redis-tls
+      secret: {secretName: {{ $root.Values.redis.tls.existingSecret }}, items: [{key: ca.crt, path: ca.crt}]}
     {{- end }}
     {{- with $root.Values.model.volume }}
     - name: model

@@ -20,7 +20,7 @@ Where Baton's router finds Redis:
 {{- if eq $mode "external" -}}
 {{- .Values.redis.external.url -}}
 {{- else if eq $mode "inchart" -}}
-{{- printf "redis://%s.%s.svc:%d" (include "baton.redis.fullname" .) .Release.Namespace (int .Values.redis.port) -}}
+{{- printf "%s://%s.%s.svc:%d" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "baton.redis.fullname" .) .Release.Namespace (int .Values.redis.port) -}}
 {{- end -}}
 {{- end -}}
 
@@ -49,3 +49,26 @@ true
 
 {{/* The variable that carries the password into every Baton process (RedisConfig.password_env). */}}
 {{- define "baton.redis.passwordEnv" -}}BATON_REDIS_PASSWORD{{- end -}}
+
+{{/* "true" when Baton reaches Redis over TLS with the CA of redis.tls.existingSecret. */}}
+{{- define "baton.redis.tls" -}}
+{{- if and .Values.redis.tls.enabled (ne (include "baton.redis.mode" .) "none") -}}
+{{- if not .Values.redis.tls.existingSecret -}}
+{{- fail "redis.tls.enabled needs redis.tls.existingSecret: a Secret with ca.crt (and, for the in-chart Redis, tls.crt and tls.key)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The router's RedisConfig fields for the ACL user and TLS (merged under the user's router.redis). */}}
+{{- define "baton.redis.securityConfig" -}}
+{{- $fields := dict -}}
+{{- with .Values.redis.auth.username -}}
+{{- $_ := set $fields "username" . -}}
+{{- end -}}
+{{- if include "baton.redis.tls" . -}}
+{{- $_ := set $fields "tls" true -}}
+{{- $_ := set $fields "tls_ca_file" (printf "%s/ca.crt" (trimSuffix "/" .Values.redis.tls.mountPath)) -}}
+{{- end -}}
+{{- toYaml $fields -}}
+{{- end -}}
