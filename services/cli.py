@@ -172,7 +172,8 @@ def _add_serve_parser(sub) -> None:
         "--metrics-port", type=int, default=None, help="Prometheus port (server.metrics_port; 8080; 0: a free one)"
     )
     run = serve.add_argument_group("running")
-    run.add_argument(
+    security = serve.add_argument_group("security (TLS on the APIs: server.tls)")
+    security.add_argument(
         "--redis-acl",
         action="store_true",
         help="the local Redis gets an ACL user `baton` with a generated password (the default user off)",

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="bt-", dir="/tmp"))  # short: Ray's socket paths live in it
+    path = Path(tempfile.mkdtemp(prefix="bt-tls-", dir="/tmp"))  # short: Ray's socket paths live in it
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
