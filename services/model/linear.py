@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_tuning import pad_rows_for_onednn
 from .parallel import TPGroup
 from .weights import LoadedWeight, copy_into, narrow, read_all, shape_of
 
@@ -38,7 +39,9 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b, for a dense weight or one from `pack_weight_for_cpu`."""
     if weight.layout == torch._mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        # oneDNN builds and caches a primitive per row count: padding bounds them (cpu_tuning.py)
+        y = torch.ops.mkldnn._linear_pointwise(pad_rows_for_onednn(x), weight, bias, "none", [], "")
+        return y[: x.numel() // x.shape[-1]].view(*x.shape[:-1], y.shape[-1])
     return F.linear(x, weight, bias)
 
 
