@@ -191,6 +191,24 @@ def wait_for_gauge(metrics_address: str, name: str, at_least: float, timeout_s: 
     return value
 
 
+def wait_for_router_workers(deployment, role: str, count: int, timeout_s: float = 5.0) -> None:
+    """The prefix router's view (Redis registry): a replica that left deregistered as it
+    stopped, well before its heartbeat would lapse."""
+    from baton.services.router.router import PrefixRouter
+
+    router = PrefixRouter.from_config(deployment.config.router_config())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if role == "prefill":
+            ranked = router.route_prefill_hashes("probe", 8, [], record=False).ranked
+        else:
+            ranked = router.route_decode("probe", 8, record=False).ranked
+        if len(ranked) == count:
+            return
+        assert time.monotonic() < deadline, f"the router still ranks {len(ranked)} {role} workers"
+        time.sleep(0.1)
+
+
 def settle(role: str, timeout_s: float = 30) -> None:
     """Every replica of `role` has all its blocks back and nothing in flight."""
     from ray import serve
@@ -224,6 +242,7 @@ def test_a_burst_of_long_prompts_scales_prefill_and_not_decode(deployment, clien
     ended = time.monotonic()
     scale_down_s = replicas.wait("prefill", 1, SCALE_DOWN_WITHIN_S)
     assert replicas.max_since("decode", start) == 1
+    wait_for_router_workers(deployment, "prefill", 1)
     print(
         f"prefill: asked for 2 after {decided_s:.1f} s of burst ({queued:.0f} prompt tokens queued), "
         f"2 running after {scale_up_s:.1f} s ({len(burst.results)} prompts), back to 1 {scale_down_s:.1f} s after it"
@@ -258,6 +277,7 @@ def test_kv_pressure_scales_decode_and_it_scales_down_losing_nothing(deployment,
     try:
         light_start = time.monotonic()
         scale_down_s = replicas.wait("decode", 1, SCALE_DOWN_WITHIN_S)
+        wait_for_router_workers(deployment, "decode", 1)
         time.sleep(1.0)
     finally:
         light.stop()
