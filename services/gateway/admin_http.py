@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..serving_errors import PermissionDeniedError
 from .api_keys import ApiKeys
 from .openai_auth import caller_of
-from .weight_admin import WeightAdmin
+from .weight_admin import DEFAULT_GROUP, WeightAdmin
 
 
 class _Body(BaseModel):
@@ -49,7 +49,7 @@ class InitGroup(_Body):
     master_address: str
     master_port: int = Field(gt=0, lt=65536)
     world_size: int = Field(ge=2, description="The trainer (rank 0) and every engine rank")
-    group_name: str = "weight_update"
+    group_name: str = DEFAULT_GROUP
     backend: str = "gloo"
     rank_offset: int = Field(1, ge=1, description="The first engine rank (the trainer holds those before)")
 
@@ -59,11 +59,11 @@ class UpdateFromDistributed(_Body):
     dtypes: list[str]
     shapes: list[list[int]]
     weight_version: str | None = None
-    group_name: str = "weight_update"
+    group_name: str = DEFAULT_GROUP
 
 
 class GroupName(_Body):
-    group_name: str = "weight_update"
+    group_name: str = DEFAULT_GROUP
 
 
 class Pause(_Body):

@@ -2,8 +2,7 @@
 
 A base of `Gateway`: Ray Serve's gRPC proxy calls the deployment's methods named like the
 rpcs, so they live on the gateway class; this keeps them, and their admin-key rule, here.
-The trainer-group calls are HTTP only (admin_http.py): they are made with a trainer process
-beside them, which HTTP clients script more easily.
+The same calls as the HTTP admin routes (admin_http.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from baton.v1 import inference_pb2 as pb
 
 from ..serving_errors import NoHealthyWorkersError, PermissionDeniedError
 from .api_keys import ApiKeys
-from .weight_admin import WeightAdmin
+from .weight_admin import DEFAULT_GROUP, WeightAdmin
 
 
 class GrpcAdmin:
@@ -68,6 +67,46 @@ class GrpcAdmin:
             return pb.WeightVersionResponse(
                 weight_version=versions.pop() if len(versions) == 1 else "", replicas=replicas
             )
+
+    async def GetWeightUpdateRanks(self, request, grpc_context=None):  # noqa: N802
+        with self._admin(grpc_context) as admin:
+            self._parsed(request)
+            ranks = await admin.weight_update_ranks()
+            return pb.WeightUpdateRanksResponse(num_engine_ranks=sum(ranks.values()), replicas=ranks)
+
+    async def InitWeightsUpdateGroup(self, request: pb.InitWeightsUpdateGroupRequest, grpc_context=None):  # noqa: N802
+        with self._admin(grpc_context) as admin:
+            request = self._parsed(request)
+            offsets = await admin.init_weights_update_group(
+                request.master_address,
+                request.master_port,
+                request.world_size,
+                request.group_name or DEFAULT_GROUP,
+                request.backend or "gloo",
+                request.rank_offset if request.HasField("rank_offset") else 1,
+            )
+            return pb.InitWeightsUpdateGroupResponse(rank_offsets=offsets)
+
+    async def UpdateWeightsFromDistributed(self, request: pb.UpdateWeightsFromDistributedRequest, grpc_context=None):  # noqa: N802
+        with self._admin(grpc_context) as admin:
+            request = self._parsed(request)
+            version = request.weight_version if request.HasField("weight_version") else None
+            tensors = list(request.tensors)
+            result = await admin.update_weights_from_distributed(
+                [t.name for t in tensors],
+                [t.dtype for t in tensors],
+                [list(t.shape) for t in tensors],
+                version,
+                request.group_name or DEFAULT_GROUP,
+            )
+            return pb.WeightUpdateResponse(
+                success=result.ok, weight_version=result.weight_version, updated=result.updated, failed=result.failed
+            )
+
+    async def DestroyWeightsUpdateGroup(self, request: pb.DestroyWeightsUpdateGroupRequest, grpc_context=None):  # noqa: N802
+        with self._admin(grpc_context) as admin:
+            group_name = self._parsed(request).group_name or DEFAULT_GROUP
+            return pb.AdminResponse(success=True, replicas=await admin.destroy_weights_update_group(group_name))
 
     @contextlib.contextmanager
     def _admin(self, grpc_context) -> Iterator[WeightAdmin]:

@@ -28,6 +28,8 @@ from typing import Any
 from ..engine.errors import InvalidRequestError
 from ..model.errors import ModelLoadError
 
+DEFAULT_GROUP = "weight_update"  # a trainer group's name when the caller gives none
+
 
 @dataclass(slots=True)
 class WeightUpdateResult:

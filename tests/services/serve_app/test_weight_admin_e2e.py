@@ -1,5 +1,5 @@
-"""RL admin calls on a real disaggregated deployment (1 prefill + 1 decode, local Ray, real
-Redis): an update from disk reaches both replicas, after it greedy outputs over HTTP and
+"""RL admin calls on a real deployment, disaggregated (1 prefill + 1 decode) and colocated
+(local Ray, real Redis): an update from disk reaches both replicas, after it greedy outputs over HTTP and
 gRPC equal Hugging Face on the new weights and report the new version; a folder of another
 shape changes no replica; pause/continue and sleep/wake act on every replica."""
 
@@ -25,19 +25,20 @@ PROMPT = "def handler(request, context):"
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def deployment():
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def deployment(request):
     from testlib.ray_cluster import local_ray
 
+    mode = request.param
+    roles = ["prefill", "decode"] if mode == "disaggregated" else ["colocated"]
     config = resolve_config(
         None,
         str(tiny_model("llama")),
         {
-            "mode": "disaggregated",
+            "mode": mode,
             "server": {"http_port": 0, "grpc_port": 0},
             "engine": {"model": {"max_model_len": 512}, "cache": {"num_kv_blocks": 128}},
-            "prefill": {"ray_actor_options": {"num_cpus": 0.25}},
-            "decode": {"ray_actor_options": {"num_cpus": 0.25}},
+            **{role: {"ray_actor_options": {"num_cpus": 0.25}} for role in roles},
         },
     )
     with local_ray(num_cpus=4):
@@ -74,10 +75,11 @@ def grpc_greedy(deployment) -> tuple[list[int], str]:
 def test_an_update_from_disk_reaches_every_replica_and_matches_hf(deployment):
     new_dir = tiny_model("llama", seed=1)
     before = versions(deployment)
-    assert before["weight_version"] == "0" and len(before["replicas"]) == 2
+    num_replicas = len(deployment.config.roles)
+    assert before["weight_version"] == "0" and len(before["replicas"]) == num_replicas
     answer = admin(deployment, "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "step-1"})
     assert answer.status_code == 200, answer.text
-    assert answer.json()["success"] and len(answer.json()["updated"]) == 2
+    assert answer.json()["success"] and len(answer.json()["updated"]) == num_replicas
     assert versions(deployment) == {"weight_version": "step-1", "replicas": dict.fromkeys(before["replicas"], "step-1")}
 
     from transformers import AutoTokenizer
@@ -142,17 +144,24 @@ def test_the_grpc_admin_service(deployment):
     try:
         admin = pb_grpc.AdminStub(client.channel)
         versions = admin.GetWeightVersion(pb.GetWeightVersionRequest(), metadata=client.metadata, timeout=60)
-        assert len(versions.replicas) == 2 and versions.weight_version == httpx_version(deployment)
+        num_replicas = len(deployment.config.roles)
+        assert len(versions.replicas) == num_replicas and versions.weight_version == httpx_version(deployment)
         paused = admin.PauseGeneration(pb.PauseGenerationRequest(mode="wait"), metadata=client.metadata, timeout=60)
-        assert paused.success and len(paused.replicas) == 2
+        assert paused.success and len(paused.replicas) == num_replicas
         resumed = admin.ContinueGeneration(pb.ContinueGenerationRequest(), metadata=client.metadata, timeout=60)
-        assert resumed.success and len(resumed.replicas) == 2
+        assert resumed.success and len(resumed.replicas) == num_replicas
         with pytest.raises(grpc.RpcError) as refused:
             admin.UpdateWeightsFromDisk(
                 pb.UpdateWeightsFromDiskRequest(model_path="/nonexistent/model"), metadata=client.metadata, timeout=60
             )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
         assert "no replica changed" in refused.value.details()
+        ranks = admin.GetWeightUpdateRanks(pb.GetWeightUpdateRanksRequest(), metadata=client.metadata, timeout=60)
+        assert ranks.num_engine_ranks == len(versions.replicas)
+        wrong = pb.InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=1, world_size=99)
+        with pytest.raises(grpc.RpcError) as refused:  # refused before any replica waits for a trainer
+            admin.InitWeightsUpdateGroup(wrong, metadata=client.metadata, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "world_size" in refused.value.details()
     finally:
         client.close()
 
