@@ -115,7 +115,11 @@ def _status(args: argparse.Namespace) -> int:
     if server is None:
         return 2
     metrics_url = args.metrics_address or server.metrics
-    tls = ClientTLS.from_args(args)
+    try:
+        tls = ClientTLS.from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return print_status(server.grpc, server.application, metrics_url, args.timeout, args.api_key, tls)
 
 

@@ -64,7 +64,11 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    client = BatonClient(args.address, args.application, args.api_key, ClientTLS.from_args(args))
+    try:
+        client = BatonClient(args.address, args.application, args.api_key, ClientTLS.from_args(args))
+    except ValueError as e:  # a TLS option: a file that cannot be read, a certificate without its key
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         for response in client.generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
             sys.stdout.write(response.text)
@@ -168,7 +172,11 @@ def print_status(
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    client = BatonClient(address, application, api_key, tls)
+    try:
+        client = BatonClient(address, application, api_key, tls)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         health = health_pb2_grpc.HealthStub(client.channel).Check(
             health_pb2.HealthCheckRequest(), metadata=client.metadata, timeout=timeout_s

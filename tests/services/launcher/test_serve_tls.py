@@ -185,3 +185,10 @@ def test_baton_generate_and_bench_take_the_tls_options(server, pki, workdir):
         done = baton(*bench, *tls, timeout_s=120)
         assert done.returncode == 0, done.stdout + done.stderr
         assert (out / "result.json").is_file()
+
+
+def test_a_client_tls_option_that_cannot_be_used_is_one_line(workdir, pki):
+    done = baton("generate", "--address", "127.0.0.1:1", "x", "--tls-ca", str(workdir / "missing.pem"))
+    assert done.returncode == 2 and done.stderr.startswith("error: --tls-ca: cannot read"), done.stderr
+    done = baton("status", "--address", "127.0.0.1:1", "--tls-cert", str(pki.client_cert_file))
+    assert done.returncode == 2 and "give --tls-cert and --tls-key together" in done.stderr, done.stderr
