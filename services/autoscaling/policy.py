@@ -28,9 +28,10 @@ Then, in this order:
              (the controller runs both policies; see role_board.py). Set the same bound on both.
   bounds     [min_replicas, max_replicas] of the deployment (Serve's, capacity-adjusted).
 
-Scale to zero (min_replicas: 0) is Serve's cold start: with no replica left nothing reports,
-and Serve adds one only when callers' handles queue a request; the gateway answers 503 at
-once when it sees no replica (router/live_replicas.py), so today a role at zero stays there.
+Scale to zero (min_replicas: 0) is left to Serve's cold start and is not tested here: with no
+replica left nothing reports, and Serve adds one only when callers' handles queue a request,
+while the gateway answers 503 at once (decode) or prefills on decode (prefill) when it sees no
+replica of a role (router/live_replicas.py), so a role at zero may never be asked for again.
 
 Delays are Serve's: Serve wraps every custom policy (ray.serve.autoscaling_policy.
 _apply_autoscaling_config) and moves the target only after the decision has wanted up for
