@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
-from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import greedy_request
+from testlib.local_baton import grpc_client, local_baton
 from testlib.models import tiny_model
-from testlib.ray_cluster import local_ray
 from testlib.ray_processes import replica_pids
 
 pytestmark = pytest.mark.ray
@@ -31,30 +28,20 @@ ANSWER_BOUND_S = 1.0  # the issue's bound for an answer while a role has no repl
 
 @pytest.fixture(scope="module")
 def deployment():
-    config = resolve_config(
-        None,
-        str(tiny_model("llama")),
-        {
-            "mode": "disaggregated",
-            "server": {"http_port": 0, "grpc_port": 0},
-            "engine": {"model": {"max_model_len": 512}, "cache": {"num_kv_blocks": 128}},
-            "prefill": {"ray_actor_options": {"num_cpus": 0.25}},
-            "decode": {"ray_actor_options": {"num_cpus": 0.25}},
-        },
-    )
-    with local_ray(num_cpus=4):
-        deployment = LocalDeployment(config, Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
-        try:
-            yield deployment
-        finally:
-            deployment.stop()
+    overrides = {
+        "mode": "disaggregated",
+        "engine": {"model": {"max_model_len": 512}, "cache": {"num_kv_blocks": 128}},
+        "prefill": {"ray_actor_options": {"num_cpus": 0.25}},
+        "decode": {"ray_actor_options": {"num_cpus": 0.25}},
+    }
+    with local_baton(overrides) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    client = BatonClient(deployment.grpc_address)
-    yield client
-    client.close()
+    with grpc_client(deployment) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

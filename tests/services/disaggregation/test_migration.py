@@ -7,19 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from baton.services.client import BatonClient
 from baton.services.engine import LLM, SamplingParams
-from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import greedy_request
+from testlib.local_baton import grpc_client, local_baton
 from testlib.models import tiny_model
-from testlib.ray_cluster import local_ray
 from testlib.ray_processes import replica_pids
 from testlib.serve_deploy import deploy_from_config
 
@@ -32,42 +29,30 @@ LONG_OUTPUT = 400  # the scale-down test's streams: they outlast the replica's d
 GRACE_PERIOD_S = 2.0
 
 
-def config():
-    return resolve_config(
-        None,
-        str(tiny_model("llama")),
-        {
-            "mode": "disaggregated",
-            "server": {"http_port": 0, "grpc_port": 0},
-            "engine": {
-                "model": {"max_model_len": 512},
-                "cache": {"num_kv_blocks": 256},
-                "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 32},  # long prompts take many steps
-                "kv_transfer": {"timeout_s": 2.0, "lease_s": 5.0},
-            },
-            "prefill": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
-            "decode": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
-        },
-    )
+OVERRIDES = {
+    "mode": "disaggregated",
+    "engine": {
+        "model": {"max_model_len": 512},
+        "cache": {"num_kv_blocks": 256},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 32},  # long prompts take many steps
+        "kv_transfer": {"timeout_s": 2.0, "lease_s": 5.0},
+    },
+    "prefill": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
+    "decode": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}},
+}
 
 
 @pytest.fixture(scope="module")
 def deployment():
-    with local_ray(num_cpus=4):
-        # A short drain budget: the scale-down test outlasts it, so both drain paths run.
-        run_dir = Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))
-        deployment = LocalDeployment(config(), run_dir, grace_period_s=GRACE_PERIOD_S).start()
-        try:
-            yield deployment
-        finally:
-            deployment.stop()
+    # A short drain budget: the scale-down test outlasts it, so both drain paths run.
+    with local_baton(OVERRIDES, grace_period_s=GRACE_PERIOD_S) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    client = BatonClient(deployment.grpc_address)
-    yield client
-    client.close()
+    with grpc_client(deployment) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

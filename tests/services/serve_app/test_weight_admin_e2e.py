@@ -5,18 +5,16 @@ shape changes no replica; pause/continue and sleep/wake act on every replica."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from baton.services.client import BatonClient
-from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import greedy_request
 from testlib.hf import hf_greedy
+from testlib.local_baton import local_baton
 from testlib.models import tiny_model
 
 pytestmark = pytest.mark.ray
@@ -27,26 +25,15 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def deployment(request):
-    from testlib.ray_cluster import local_ray
-
     mode = request.param
     roles = ["prefill", "decode"] if mode == "disaggregated" else ["colocated"]
-    config = resolve_config(
-        None,
-        str(tiny_model("llama")),
-        {
-            "mode": mode,
-            "server": {"http_port": 0, "grpc_port": 0},
-            "engine": {"model": {"max_model_len": 512}, "cache": {"num_kv_blocks": 128}},
-            **{role: {"ray_actor_options": {"num_cpus": 0.25}} for role in roles},
-        },
-    )
-    with local_ray(num_cpus=4):
-        deployment = LocalDeployment(config, Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
-        try:
-            yield deployment
-        finally:
-            deployment.stop()
+    overrides = {
+        "mode": mode,
+        "engine": {"model": {"max_model_len": 512}, "cache": {"num_kv_blocks": 128}},
+        **{role: {"ray_actor_options": {"num_cpus": 0.25}} for role in roles},
+    }
+    with local_baton(overrides) as deployment:
+        yield deployment
 
 
 def admin(deployment, path: str, body: dict | None = None) -> httpx.Response:
@@ -168,3 +155,61 @@ def test_the_grpc_admin_service(deployment):
 
 def httpx_version(deployment) -> str:
     return versions(deployment)["weight_version"]
+
+
+def test_an_update_from_a_trainer_process_reaches_every_replica(deployment, tmp_path):
+    """A real trainer process, rank 0 of a gloo group, takes a gradient step and broadcasts;
+    every replica joins at the offsets the gateway assigns and receives. Disaggregated over
+    HTTP, colocated over gRPC. Greedy output and logprobs then match HF on its weights."""
+    from baton.v1 import inference_pb2 as pb
+    from baton.v1 import inference_pb2_grpc as pb_grpc
+    from testlib.weight_updates import Trainer
+
+    ranks = httpx.get(f"{deployment.http_address}/weight_update_ranks", timeout=30).json()["num_engine_ranks"]
+    trainer = Trainer(tiny_model("llama", seed=1), tmp_path / "trained", ranks + 1, bucket_bytes=64 << 20)
+    over_grpc = deployment.config.mode == "colocated"
+    group = {"master_address": "127.0.0.1", "master_port": trainer.port, "world_size": ranks + 1, "group_name": "rl"}
+    client = BatonClient(deployment.grpc_address)
+    try:
+        admin_stub = pb_grpc.AdminStub(client.channel)
+        if over_grpc:
+            admin_stub.InitWeightsUpdateGroup(
+                pb.InitWeightsUpdateGroupRequest(**group), metadata=client.metadata, timeout=120
+            )
+        else:
+            assert admin(deployment, "/init_weights_update_group", group).json()["success"]
+        meta = trainer.metadata()
+        if over_grpc:
+            tensors = [
+                pb.TensorSpec(name=n, dtype=d, shape=s)
+                for n, d, s in zip(meta["names"], meta["dtypes"], meta["shapes"])
+            ]
+            request = pb.UpdateWeightsFromDistributedRequest(tensors=tensors, weight_version="trained", group_name="rl")
+            answer = admin_stub.UpdateWeightsFromDistributed(request, metadata=client.metadata, timeout=120)
+            assert answer.success and answer.weight_version == "trained"
+        else:
+            body = {k: meta[k] for k in ("names", "dtypes", "shapes")} | {
+                "weight_version": "trained",
+                "group_name": "rl",
+            }
+            answer = admin(deployment, "/update_weights_from_distributed", body)
+            assert answer.status_code == 200 and answer.json()["weight_version"] == "trained", answer.text
+        trainer.join()
+    finally:
+        client.close()
+    admin(deployment, "/destroy_weights_update_group", {"group_name": "rl"})
+    from transformers import AutoTokenizer
+
+    trained = tmp_path / "trained"
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_model("llama", seed=1)).encode(
+        PROMPT
+    )  # the trainer saves no tokenizer
+    expected, expected_logprobs = hf_greedy(trained, prompt_ids, MAX_TOKENS)
+    tokens, version = grpc_greedy(deployment)
+    assert tokens == expected and version == "trained"
+    body = {"model": "baton-tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    completion = httpx.post(
+        f"{deployment.http_address}/v1/completions", json={**body, "logprobs": 1}, timeout=60
+    ).json()
+    served = completion["choices"][0]["logprobs"]["token_logprobs"]
+    assert served == pytest.approx(expected_logprobs, abs=1e-3)

@@ -7,17 +7,14 @@ per round (one oneDNN primitive per new row count, services/model/cpu_tuning.py)
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from baton.services.client import BatonClient
-from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import greedy_request
-from testlib.models import tiny_model
-from testlib.ray_cluster import local_ray
+from testlib.local_baton import local_baton
 from testlib.ray_processes import replica_pids
 
 pytestmark = pytest.mark.ray
@@ -31,27 +28,18 @@ PROMPTS = [f"Request {i}: def handler(request, context): return {i}" for i in ra
 
 @pytest.fixture(scope="module")
 def deployment():
-    config = resolve_config(
-        None,
-        str(tiny_model("llama")),
-        {
-            "mode": "disaggregated",
-            "server": {"http_port": 0, "grpc_port": 0},
-            "engine": {
-                "model": {"max_model_len": 512},
-                "cache": {"num_kv_blocks": 1024},
-                "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
-            },
-            "prefill": {"ray_actor_options": {"num_cpus": 1}},
-            "decode": {"ray_actor_options": {"num_cpus": 1}},
+    overrides = {
+        "mode": "disaggregated",
+        "engine": {
+            "model": {"max_model_len": 512},
+            "cache": {"num_kv_blocks": 1024},
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
         },
-    )
-    with local_ray(num_cpus=4):
-        deployment = LocalDeployment(config, Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
-        try:
-            yield deployment
-        finally:
-            deployment.stop()
+        "prefill": {"ray_actor_options": {"num_cpus": 1}},
+        "decode": {"ray_actor_options": {"num_cpus": 1}},
+    }
+    with local_baton(overrides) as deployment:
+        yield deployment
 
 
 def rss_mb(pid: int) -> float:

@@ -8,18 +8,14 @@ Capacity is measured first in the same run (closed loop at max_num_seqs streams)
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from baton.services.client import BatonClient
-from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import greedy_request
-from testlib.models import tiny_model
-from testlib.ray_cluster import local_ray
+from testlib.local_baton import local_baton
 
 pytestmark = pytest.mark.ray
 
@@ -35,26 +31,17 @@ OVERLOAD_S = 12.0
 
 @pytest.fixture(scope="module")
 def deployment():
-    config = resolve_config(
-        None,
-        str(tiny_model("llama")),
-        {
-            "mode": "colocated",
-            "server": {"http_port": 0, "grpc_port": 0},
-            "engine": {
-                "model": {"max_model_len": 512},
-                "cache": {"num_kv_blocks": 256},
-                "scheduler": {"max_num_seqs": MAX_NUM_SEQS},
-            },
-            "colocated": {"max_queue_delay_s": MAX_QUEUE_DELAY_S, "ray_actor_options": {"num_cpus": 1}},
+    overrides = {
+        "mode": "colocated",
+        "engine": {
+            "model": {"max_model_len": 512},
+            "cache": {"num_kv_blocks": 256},
+            "scheduler": {"max_num_seqs": MAX_NUM_SEQS},
         },
-    )
-    with local_ray(num_cpus=4):
-        deployment = LocalDeployment(config, Path(tempfile.mkdtemp(prefix="baton-", dir="/tmp"))).start()
-        try:
-            yield deployment
-        finally:
-            deployment.stop()
+        "colocated": {"max_queue_delay_s": MAX_QUEUE_DELAY_S, "ray_actor_options": {"num_cpus": 1}},
+    }
+    with local_baton(overrides) as deployment:
+        yield deployment
 
 
 def one(client: BatonClient, i: int) -> tuple[str, float | None, str]:
