@@ -41,6 +41,19 @@ class WeightUpdateResult:
     def ok(self) -> bool:
         return not self.failed
 
+    def add(self, outcomes: dict[str, Any]) -> None:
+        """Replicas' outcomes (a version, or the exception a replica raised), by worker id."""
+        for worker_id, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                self.failed[worker_id] = reason(outcome)
+            else:
+                self.updated.append(worker_id)
+
+
+def reason(error: BaseException) -> str:
+    """Why a replica failed, as its own exception says (Ray wraps it in RayTaskError)."""
+    return str(getattr(error, "cause", None) or error)
+
 
 class WeightAdmin:
     def __init__(self, handles: dict[str, Any]) -> None:
@@ -61,11 +74,7 @@ class WeightAdmin:
             outcomes = await self._broadcast(
                 role, "update_weights_from_disk", path, version, skip_worker=canary_id if role == canary_role else None
             )
-            for worker_id, outcome in outcomes.items():
-                if isinstance(outcome, BaseException):
-                    result.failed[worker_id] = str(getattr(outcome, "cause", None) or outcome)
-                else:
-                    result.updated.append(worker_id)
+            result.add(outcomes)
         return result
 
     # -- from a trainer's torch.distributed group -------------------------------------
@@ -122,11 +131,7 @@ class WeightAdmin:
         )
         versions = {v for v in outcomes.values() if isinstance(v, str)}
         result = WeightUpdateResult(versions.pop() if len(versions) == 1 else str(sorted(versions)))
-        for worker_id, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                result.failed[worker_id] = str(getattr(outcome, "cause", None) or outcome)
-            else:
-                result.updated.append(worker_id)
+        result.add(outcomes)
         return result
 
     async def destroy_weights_update_group(self, group_name: str) -> list[str]:
@@ -166,7 +171,7 @@ class WeightAdmin:
         for role in self.handles:
             for worker_id, outcome in (await self._broadcast(role, method, *args)).items():
                 if isinstance(outcome, BaseException):
-                    failed[worker_id] = str(getattr(outcome, "cause", None) or outcome)
+                    failed[worker_id] = reason(outcome)
                 else:
                     done.append(worker_id)
         if failed:
@@ -177,7 +182,7 @@ class WeightAdmin:
         """Like `_on_every_replica`, but every role's replicas together (a collective call)."""
         per_role = await asyncio.gather(*(self._broadcast(role, method, *args) for role in self.handles))
         outcomes = {worker_id: outcome for role_outcomes in per_role for worker_id, outcome in role_outcomes.items()}
-        failed = {w: str(getattr(o, "cause", None) or o) for w, o in outcomes.items() if isinstance(o, BaseException)}
+        failed = {w: reason(o) for w, o in outcomes.items() if isinstance(o, BaseException)}
         if check and failed:
             raise RuntimeError(f"{method} failed on {failed}")
         return outcomes
