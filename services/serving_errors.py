@@ -53,39 +53,35 @@ REJECTION_CODES = frozenset(
 )
 
 
-class ServerOverloadedError(RuntimeError):
-    """The worker's queue is over its configured bound; retry after `retry_after_s` (429).
-    `reason` names the bound (baton_requests_shed_total's label, metrics.py)."""
+class RetryLaterError(RuntimeError):
+    """A refusal the client may retry after `retry_after_s`; `reason` names why
+    (baton_requests_shed_total's label, metrics.py). Subclasses set the defaults."""
 
-    def __init__(
-        self,
-        message: str = "server overloaded",
-        retry_after_s: float = DEFAULT_OVERLOAD_RETRY_AFTER_S,
-        reason: str = "overloaded",
-    ):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.reason = reason
+    default_message = "retry later"
+    default_retry_after_s = DEFAULT_OVERLOAD_RETRY_AFTER_S
+    default_reason = "overloaded"
+
+    def __init__(self, message: str | None = None, retry_after_s: float | None = None, reason: str | None = None):
+        super().__init__(self.default_message if message is None else message)
+        self.retry_after_s = self.default_retry_after_s if retry_after_s is None else retry_after_s
+        self.reason = self.default_reason if reason is None else reason
 
     def __reduce__(self):  # Ray pickles it from the worker to the gateway
         return type(self), (str(self), self.retry_after_s, self.reason)
 
 
-class NoHealthyWorkersError(RuntimeError):
-    """No worker can take the request right now; retry after `retry_after_s` (503)."""
+class ServerOverloadedError(RetryLaterError):
+    """The worker's queue is over its configured bound (429)."""
 
-    def __init__(
-        self,
-        message: str = "no healthy worker",
-        retry_after_s: float = DEFAULT_UNAVAILABLE_RETRY_AFTER_S,
-        reason: str = "no_replica",
-    ):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.reason = reason
+    default_message = "server overloaded"
 
-    def __reduce__(self):
-        return type(self), (str(self), self.retry_after_s, self.reason)
+
+class NoHealthyWorkersError(RetryLaterError):
+    """No worker can take the request right now (503)."""
+
+    default_message = "no healthy worker"
+    default_retry_after_s = DEFAULT_UNAVAILABLE_RETRY_AFTER_S
+    default_reason = "no_replica"
 
 
 class RequestTooLargeError(ValueError):
