@@ -26,6 +26,10 @@ or unpacked):
     write into its own blocks, verify
     send ack ---------------------------->   finished_sending: the lease can be released
 
+Every socket listens on the advertised host only (a TCPStore alone would bind every interface;
+gloo's default device binds the address the hostname resolves to): the store takes a socket
+bound here, and the groups' gloo device is made for that host.
+
 Both sides time out (the groups' timeout); a failed pair is dropped and rebuilt under the
 next generation, and the decode side reports the failure so its engine recomputes.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -67,9 +72,9 @@ class TorchDistributedConnector(KVConnector):
         self.device = device
         self.uid = uuid.uuid4().hex[:12]
         self.timeout = datetime.timedelta(seconds=config.timeout_s)
-        host = advertised_host(config.host)
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self._endpoint = f"{host}:{self.store.port}"
+        self.host = advertised_host(config.host)
+        self.store = _store_listening_on(self.host, self.timeout)
+        self._endpoint = f"{self.host}:{self.store.port}"
         self.kv_caches: list[torch.Tensor] = []
         self._closed = threading.Event()
         # Serial torch in the transfer threads: the engine thread keeps the only OpenMP team.
@@ -289,7 +294,10 @@ class TorchDistributedConnector(KVConnector):
             if self.device.type == "cuda":
                 group = dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
             else:
-                group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
+                options = dist.ProcessGroupGloo._Options()
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+                options._timeout = self.timeout
+                group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
             with self._lock:
                 self._groups[pair] = group
         return group
@@ -301,3 +309,21 @@ class TorchDistributedConnector(KVConnector):
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().contiguous().view(torch.uint8).cpu().numpy())
+
+
+def _store_listening_on(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore server on a free port of `host` alone."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(address)
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    # The store owns the socket from here on (it closes it when it shuts down).
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=listener.detach()
+    )
+
