@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
+from ..serve_app.replica_ports import bind_to_node_ip
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
 from .admin_http import add_admin_routes
@@ -53,6 +54,7 @@ class Gateway(GrpcAdmin):
         limits: RequestLimits | None = None,
         weight_admin: WeightAdmin | None = None,
     ) -> None:
+        bind_to_node_ip()
         self.mode = mode
         self.weight_admin = weight_admin  # the HTTP admin routes (admin_http.py); None: not served
         self.router = router  # how the engine replicas are chosen (reported by GetModelInfo)

@@ -28,6 +28,7 @@ from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
+from ..serve_app.replica_ports import bind_to_node_ip
 from ..serving_errors import quiet_rejections
 from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 from .admission import Admission, AdmissionLimits
@@ -48,6 +49,7 @@ class EngineWorker:
         replica_id: str | None = None,
     ) -> None:
         quiet_rejections()  # a request the engine refuses is one log line here, not Serve's traceback
+        bind_to_node_ip()
         self.role = role
         self.served_model_name = served_model_name
         self.admission = Admission(admission or AdmissionLimits())

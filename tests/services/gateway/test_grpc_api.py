@@ -3,6 +3,7 @@ correctly, reports usage, maps every error, frees blocks on cancel and on deadli
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,6 +15,7 @@ from baton.services.gateway.request_limits import RequestLimits
 from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import collect, greedy_request, worker_stats
 from testlib.models import tiny_model
+from testlib.sockets import descendants, listening_addresses
 
 from .beside import check_no_one_held_up, counter_value, wait_for_counter
 
@@ -331,3 +333,13 @@ def test_prometheus_metrics_are_exported(baton_app, client):
             break
         assert time.monotonic() < deadline, f"missing {missing} at {baton_app.metrics_address}"
         time.sleep(1)
+
+
+def test_local_mode_listens_on_loopback_only(baton_app, client):
+    """Every port that `baton serve`'s processes listen on (Ray's, Serve's proxy and replicas,
+    the local Redis; the KV transfer's are checked in kv_transfer/) is a loopback one."""
+    collect(client, greedy_request("hi", max_tokens=2))
+    listening = listening_addresses(descendants(os.getpid()))
+    grpc_port = int(baton_app.grpc_address.rsplit(":", 1)[1])
+    assert grpc_port in {port for _, port in listening}, "the gRPC proxy's port is not among them"
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, sorted(listening)
