@@ -326,4 +326,3 @@ def _store_listening_on(host: str, timeout: datetime.timedelta) -> dist.TCPStore
     return dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=listener.detach()
     )
-

@@ -90,3 +90,25 @@ def test_the_schema_refuses_bad_tls_values(chart: HelmChart, values):
     assert "values don't meet the specifications of the schema" in chart.template_error(
         [values_file("minimal")], values
     )
+
+
+@pytest.mark.parametrize("values", [TLS, MTLS], ids=["tls", "mtls"])
+def test_workers_get_a_readiness_probe_that_speaks_tls(chart: HelmChart, values):
+    """KubeRay's own worker probe fetches Serve's health in plaintext; the chart's replaces it
+    (KubeRay keeps a probe the pod has), the head keeps KubeRay's (it checks no Serve route)."""
+    objects = chart.render([values_file("minimal")], values)
+    http_port = str(BatonConfig.model_validate(baton_config(objects)).server.http_port)
+    assert "readinessProbe" not in ray_container(head_group(objects))
+    workers = worker_groups(objects)
+    assert workers
+    for name, group in workers.items():
+        command = ray_container(group)["readinessProbe"]["exec"]["command"]
+        assert command[:5] == ["python", "-m", "baton.services.gateway.health_probe", "--serve-port", http_port], name
+        with_cert = ["--cert-file", "/etc/baton/tls/tls.crt", "--key-file", "/etc/baton/tls/tls.key"]
+        assert command[5:] == (with_cert if values is MTLS else []), name
+
+
+def test_without_tls_kuberay_keeps_its_own_probes(chart: HelmChart):
+    objects = chart.render([values_file("minimal")])
+    for group in ray_pods(objects).values():
+        assert "readinessProbe" not in ray_container(group) and "livenessProbe" not in ray_container(group)

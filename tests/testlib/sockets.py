@@ -27,6 +27,11 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def addresses_listening_on(port: int) -> set[str]:
+    """The IPs that sockets listening on `port` are bound to, whoever holds them."""
+    return {ip for ip, bound_port, _ in _listening() if bound_port == port}
+
+
 def listening_addresses(pids: set[int]) -> set[tuple[str, int]]:
     """(IP, port) of every listening TCP socket the processes `pids` hold."""
     inodes = set()
@@ -42,12 +47,17 @@ def listening_addresses(pids: set[int]) -> set[tuple[str, int]]:
                 continue
             if target.startswith("socket:["):
                 inodes.add(target[len("socket:[") : -1])
-    listening = set()
+    return {(ip, port) for ip, port, inode in _listening() if inode in inodes}
+
+
+def _listening() -> list[tuple[str, int, str]]:
+    """(IP, port, socket inode) of every listening TCP socket on the machine."""
+    listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] == _LISTEN and fields[9] in inodes:
-                listening.add(_decoded(fields[1]))
+            if fields[3] == _LISTEN:
+                listening.append((*_decoded(fields[1]), fields[9]))
     return listening
 
 

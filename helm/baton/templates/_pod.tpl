@@ -75,6 +75,21 @@ spec:
       {{- $env = concat (include "baton.tls.env" $root | fromYamlArray) $env }}
       env:
         {{- toYaml $env | nindent 8 }}
+      {{- if and $root.Values.tls.existingSecret (not $isHead) }}
+      {{- /* KubeRay's own worker probe fetches Serve's health in plaintext: under TLS it never passes */}}
+      {{- $dir := trimSuffix "/" $root.Values.tls.mountPath }}
+      {{- $probe := list "python" "-m" "baton.services.gateway.health_probe" "--serve-port" (toString $cfg.server.http_port) }}
+      {{- if $root.Values.tls.requireClientCert }}
+      {{- $probe = concat $probe (list "--cert-file" (printf "%s/tls.crt" $dir) "--key-file" (printf "%s/tls.key" $dir)) }}
+      {{- end }}
+      readinessProbe:
+        exec:
+          command: {{ toJson $probe }}
+        initialDelaySeconds: 10
+        periodSeconds: 5
+        timeoutSeconds: 10
+        failureThreshold: 1
+      {{- end }}
       {{- if gt (int $root.Values.shutdown.preStopSeconds) 0 }}
       lifecycle:
         preStop:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import ssl
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from openai import OpenAI
 from testlib.baton_process import BatonServe, session_pids
 from testlib.models import tiny_model
 from testlib.pki import ThrowawayPKI, make_pki
+from testlib.sockets import addresses_listening_on
 
 from .test_serve_command import baton, free_ports
 
@@ -120,30 +123,24 @@ def test_grpc_refuses_without_mtls(server, pki, case):
 
 def test_both_apis_listen_on_loopback_only(server):
     http_port, grpc_port = server
-    assert listening_addresses(grpc_port) == {"127.0.0.1"}  # Serve alone: [::]
-    assert listening_addresses(http_port) == {"127.0.0.1"}
+    assert addresses_listening_on(grpc_port) == {"127.0.0.1"}  # Serve alone: [::]
+    assert addresses_listening_on(http_port) == {"127.0.0.1"}
 
 
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses of the sockets listening on `port` (from /proc/net/tcp and tcp6)."""
-    found = set()
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, port_hex = local.split(":")
-            if state == "0A" and int(port_hex, 16) == port:
-                found.add(_address(address, width))
-    return found
-
-
-def _address(hex_address: str, width: int) -> str:
-    import ipaddress
-
-    raw = bytes.fromhex(hex_address)
-    if width == 8:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    address = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-    return str(address.ipv4_mapped or address)  # grpc binds 127.0.0.1 as ::ffff:127.0.0.1
+def test_the_readiness_probe_passes_over_mtls_and_fails_without_a_certificate(server, pki):
+    """The chart's probe for TLS pods (gateway/health_probe.py), run as kubelet runs it."""
+    http_port, _ = server
+    probe = [sys.executable, "-m", "baton.services.gateway.health_probe", "--serve-port", str(http_port)]
+    with_cert = ["--cert-file", str(pki.client_cert_file), "--key-file", str(pki.client_key_file)]
+    ready = subprocess.run([*probe, "--raylet-port", "0", *with_cert], capture_output=True, text=True, timeout=30)
+    assert ready.returncode == 0, ready.stderr
+    refused = subprocess.run([*probe, "--raylet-port", "0"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and refused.stderr.startswith("not ready: https://localhost:"), refused.stderr
+    nothing_there = str(free_ports(1)[0])
+    no_raylet = subprocess.run(
+        [*probe, "--raylet-port", nothing_there, *with_cert], capture_output=True, text=True, timeout=30
+    )
+    assert no_raylet.returncode == 1 and "local_raylet_healthz" in no_raylet.stderr, no_raylet.stderr
 
 
 @pytest.mark.parametrize("field", ["cert_file", "key_file", "client_ca_file"])
