@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.api.outputs import CompletionOutput
+from ..engine.api.outputs import CompletionOutput, PromptLogprobs
 from ..engine.api.prompt_checks import check_prompt_ids, check_prompt_text, resolve_max_tokens
 from ..engine.api.sampling_params import RequestOutputKind, SamplingParams
 from ..engine.errors import InvalidRequestError
@@ -81,6 +81,8 @@ class GenerationEvent:
     time_to_first_token_s: float | None
     total_s: float
     trace: PlacementTrace
+    # prompt_logprobs asked for: on the first event of the output that brought them
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class GenerationService:
@@ -116,8 +118,11 @@ class GenerationService:
     ) -> list[int]:
         """The prompt's token ids; `tools` (OpenAI's function tools) reach the templates that
         describe tools to the model, and the others ignore them."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError("messages", "the model has no chat template; use /v1/completions")
+        if "developer" not in str(template):  # OpenAI's newer name for system instructions
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         max_model_len = (await self.model_info()).max_model_len
         check_text_length(num_chars(messages) + num_chars(tools), "messages", self.limits, max_model_len)
         try:
@@ -194,6 +199,8 @@ class GenerationService:
                     event = self._event(
                         request_id, completion, usage, output.finished and i == last, first_token, arrival, trace
                     )
+                    if i == 0:
+                        event.prompt_logprobs = output.prompt_logprobs
                     if event.finished and self.on_finished is not None:
                         self.on_finished(prepared.api, event)
                     yield event

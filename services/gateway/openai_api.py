@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ..serving_errors import ErrorStatus
 from .api_keys import ApiKeys
+from .completion_choices import CompletionChoices
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
 from .openai_auth import ApiKeyMiddleware, caller_of
@@ -34,12 +35,12 @@ from .openai_protocol import (
     CompletionAccumulator,
     CompletionRequest,
     chat_logprobs,
-    completion_logprobs,
     error_body,
     now,
     openai_finish_reason,
     usage_body,
 )
+from .token_bytes import TokenBytes
 from .tool_calls import ForcedToolCall, ToolCallParser
 
 
@@ -49,6 +50,10 @@ class OpenAIApi:
     engine_client: EngineClient
     record_error: Callable[[Exception], ErrorStatus]  # the gateway's logging and metrics for a failed request
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # no keys: open
+    token_bytes: TokenBytes = field(init=False)  # chat logprobs' `bytes`
+
+    def __post_init__(self) -> None:
+        self.token_bytes = TokenBytes(self.service.tokenizer)
 
     async def list_models(self) -> dict[str, Any]:
         info = await self.service.model_info()
@@ -73,7 +78,7 @@ class OpenAIApi:
             body.check_supported()
             prompts = body.prompts()
             constraint = body.constraint()
-            params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
+            params = body.completion_params(constraint)
             requests = [
                 await self.service.prepare(
                     GenerationRequest(
@@ -95,9 +100,10 @@ class OpenAIApi:
         except Exception as error:
             return self.error_response(error)
         response_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = CompletionChoices.build(body, prompts, [r.call for r in requests], self.service.tokenizer)
         if body.stream:
-            return await _sse(self._stream_completions(requests, params.n, response_id, body), self.record_error)
-        return await self._complete(requests, params.n, response_id, body, chat=False)
+            return await _sse(self._stream_completions(requests, choices, response_id, body), self.record_error)
+        return await self._complete(requests, params.n, response_id, body, chat=False, completion_choices=choices)
 
     async def chat_completions(self, body: ChatCompletionRequest, owner: str | None = None):
         try:
@@ -142,6 +148,7 @@ class OpenAIApi:
         body,
         chat: bool,
         forced_call: ForcedToolCall | None = None,
+        completion_choices: CompletionChoices | None = None,
     ):
         accumulator = CompletionAccumulator(len(requests) * n)
         total, weight_version = None, None
@@ -149,6 +156,8 @@ class OpenAIApi:
             for i, request in enumerate(requests):
                 async for event in self.service.stream(request):
                     accumulator.add(i * n + event.completion.index, event)
+                    if completion_choices is not None:
+                        completion_choices.note(i, event)
                     if event.finished:
                         total = _add_usage(total, event)
                         weight_version = event.trace.weight_version
@@ -166,18 +175,13 @@ class OpenAIApi:
                 choice = {
                     "index": index,
                     "message": _chat_message(completion.text, forced_call),
-                    "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
+                    "logprobs": chat_logprobs(completion, body.top_logprobs or 0, self.token_bytes),
                     "finish_reason": finish,
                 }
+                if body.return_token_ids:
+                    choice["token_ids"] = list(completion.token_ids)
             else:
-                choice = {
-                    "index": index,
-                    "text": completion.text,
-                    "finish_reason": finish,
-                    "logprobs": completion_logprobs(completion, 0),
-                }
-            if body.return_token_ids:
-                choice["token_ids"] = list(completion.token_ids)
+                choice = completion_choices.whole(index, completion)
             choices.append(choice)
         return {
             "id": response_id,
@@ -189,22 +193,14 @@ class OpenAIApi:
             "weight_version": weight_version,  # Baton's: the weights that produced it (RL rollouts)
         }
 
-    async def _stream_completions(self, requests, n: int, response_id: str, body) -> AsyncIterator[dict]:
+    async def _stream_completions(
+        self, requests, choices: CompletionChoices, response_id: str, body
+    ) -> AsyncIterator[dict]:
         info = await self.service.model_info()
         total = None
-        offsets = [0] * (len(requests) * n)
         for i, request in enumerate(requests):
             async for event in self.service.stream(request):
-                index = i * n + event.completion.index
-                choice = {
-                    "index": index,
-                    "text": event.completion.text,
-                    "logprobs": completion_logprobs(event.completion, offsets[index]),
-                    "finish_reason": openai_finish_reason(event.completion.finish_reason),
-                }
-                if body.return_token_ids:
-                    choice["token_ids"] = list(event.completion.token_ids)
-                offsets[index] += len(event.completion.text)
+                choice = choices.streamed(i, event)
                 chunk = {
                     "id": response_id,
                     "object": "text_completion",
@@ -244,7 +240,7 @@ class OpenAIApi:
                 parser = parsers.setdefault(index, forced_call.parser())
                 deltas = [{"tool_calls": [entry]} for entry in parser.feed(completion.text)]
             finish = openai_finish_reason(completion.finish_reason, forced_call is not None)
-            logprobs = chat_logprobs(completion, body.top_logprobs or 0)
+            logprobs = chat_logprobs(completion, body.top_logprobs or 0, self.token_bytes)
             if not deltas and (finish is not None or logprobs is not None):
                 deltas = [{}]
             for i, delta in enumerate(deltas):

@@ -2,8 +2,11 @@
 that build response bodies; `openai_api` maps them onto the generation service.
 
 Requests accept OpenAI's fields plus vLLM's common extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, ...), the
-output constraints of `openai_constraints` and chat's forced tool calls (`tool_calls`).
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids,
+prompt_logprobs on completions, ...), the output constraints of `openai_constraints` and
+chat's forced tool calls (`tool_calls`). `logit_bias` maps token ids (JSON object keys, so
+strings) to values in [-100, 100] added to the logits; `echo` and `best_of` are completions'
+(`completion_choices`); chat messages' roles are OpenAI's five.
 Fields Baton does not implement that would change the output are refused
 (`openai_refused`); other unknown fields are ignored, as vLLM does.
 
@@ -20,6 +23,7 @@ with both numbers (engine/api/prompt_checks.py), never a silently shorter comple
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,7 +58,8 @@ class _SamplingFields(ConstraintFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the caller's own tracking: changes nothing
+    logit_bias: dict[str, float] | None = None
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
@@ -72,7 +77,7 @@ class _SamplingFields(ConstraintFields):
     return_token_ids: bool | None = None
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
+        self, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None, **extra: Any
     ) -> SamplingParams:
         fields = {
             "max_tokens": max_tokens,
@@ -93,6 +98,8 @@ class _SamplingFields(ConstraintFields):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "structured_output": constraint.params if constraint else None,
+            "logit_bias": _token_id_keys(self.logit_bias) if self.logit_bias else None,
+            **extra,
         }
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         given = {k: v for k, v in fields.items() if v is not None}
@@ -106,20 +113,40 @@ class _SamplingFields(ConstraintFields):
             )
 
 
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {key!r}") from None
+    return out
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and vLLM's default; null: to the end of the context
     logprobs: int | None = None
-    best_of: int | None = None  # only n: every sample is returned
+    best_of: int | None = None  # >= n samples generated, the n best (cumulative logprob) returned
+    echo: bool = False  # the prompt's text (and with logprobs its tokens') before the completion
+    prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on a text prompt
 
     def check_supported(self) -> None:
         """400 for every field that asks for what Baton does not do (openai_refused)."""
         self._refuse_unsupported(COMPLETION_REFUSALS)
-        if self.best_of is not None and self.best_of != self.n:
+        if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidRequestError(
-                "best_of", f"must equal n ({self.n}): Baton returns every sample it generates, got {self.best_of}"
+                "best_of", "cannot be combined with stream: the best samples are known only when all have finished"
             )
+
+    def completion_params(self, constraint: Constraint | None) -> SamplingParams:
+        # As vLLM: echo with logprobs scores the prompt's tokens with as many alternatives.
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        extra = {"best_of": self.best_of, "prompt_logprobs": prompt_logprobs}
+        return self.sampling_params(self.max_tokens, self.logprobs, constraint, **extra)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -165,7 +192,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         out = []
-        for message in self.messages:
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}"
+                )
             content = message.content
             if isinstance(content, list):  # content parts: only text is supported
                 if any(part.get("type") != "text" for part in content):
@@ -179,6 +210,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 _TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
+# OpenAI's roles ("function" is deprecated with functions, which are refused); a template
+# that does not know "developer" gets it as "system" (generation.apply_chat_template).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def error_body(message: str, error_type: str, param: str | None, code: int) -> dict[str, Any]:
@@ -208,7 +242,10 @@ def completion_logprobs(completion: CompletionOutput, text_offset: int) -> dict[
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+def chat_logprobs(
+    completion: CompletionOutput, num_top: int, token_bytes: Callable[[int], list[int]]
+) -> dict[str, Any] | None:
+    """`bytes` are each token's own (token_bytes), never those of its lone decoding."""
     if completion.logprobs is None:
         return None
     content = []
@@ -219,14 +256,10 @@ def chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] 
             {
                 "token": chosen.decoded_token or "",
                 "logprob": chosen.logprob,
-                "bytes": list((chosen.decoded_token or "").encode()),
+                "bytes": token_bytes(token_id),
                 "top_logprobs": [
-                    {
-                        "token": e.decoded_token or "",
-                        "logprob": e.logprob,
-                        "bytes": list((e.decoded_token or "").encode()),
-                    }
-                    for _, e in ranked
+                    {"token": e.decoded_token or "", "logprob": e.logprob, "bytes": token_bytes(top_id)}
+                    for top_id, e in ranked
                 ],
             }
         )

@@ -1,14 +1,15 @@
 """OpenAI and vLLM request fields that Baton does not implement and that would change the
 output: a request that sets one gets a 400 naming it, never a 200 that ignored it.
 
-Each field is refused only when its value asks for something: `logit_bias: {}`,
-`echo: false` or `modalities: ["text"]` change nothing and pass. Fields that do not change
+Each field is refused only when its value asks for something: `echo: false` or
+`modalities: ["text"]` change nothing and pass. Fields that do not change
 the output are accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
 `safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`, `prediction` (a
 latency hint: the output is the same), `parallel_tool_calls: true`, `priority`,
 `guided_decoding_backend`, `kv_transfer_params`; so are fields neither API knows.
-`best_of` (only `best_of == n`) and `top_logprobs` (only with `logprobs`) are checked by the
-request shapes, which know `n` and `logprobs`.
+`best_of` (not with `stream`) and `top_logprobs` (only with `logprobs`) are checked by the
+request shapes, which know `stream` and `logprobs`. `logit_bias` (both APIs), `echo` and
+`prompt_logprobs` (completions) are implemented, so not listed here.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ def _true_or_unset(value: Any) -> bool:
 
 
 _BOTH = {
-    "logit_bias": Refusal(_empty, "token biases are not supported"),
     "use_beam_search": Refusal(_empty, "beam search is not supported over the OpenAI API"),
     "bad_words": Refusal(_empty, "bad words are not supported"),
     "logits_processors": Refusal(_empty, "custom logits processors are not supported"),
-    "prompt_logprobs": Refusal(_unset, "prompt logprobs are not supported"),
     "truncate_prompt_tokens": Refusal(_unset, "prompt truncation is not supported; shorten the prompt"),
     "return_tokens_as_token_ids": Refusal(_empty, "is not supported: tokens are returned as text"),
     "spaces_between_special_tokens": Refusal(
@@ -54,7 +53,6 @@ _BOTH = {
 
 COMPLETION_REFUSALS = {
     **_BOTH,
-    "echo": Refusal(_empty, "echoing the prompt is not supported"),
     "suffix": Refusal(_empty, "a suffix (insertion) is not supported"),
     "prompt_embeds": Refusal(_unset, "prompt embeddings are not supported; send text or token ids"),
 }
@@ -68,6 +66,7 @@ CHAT_REFUSALS = {
     "reasoning_effort": Refusal(_unset, "reasoning controls are not supported"),
     "verbosity": Refusal(_unset, "verbosity controls are not supported"),
     "web_search_options": Refusal(_unset, "web search is not supported"),
+    "prompt_logprobs": Refusal(_unset, "is supported on /v1/completions only (with echo or on its own)"),
     "echo": Refusal(_empty, "echoing the last message is not supported"),
     "add_generation_prompt": Refusal(_true_or_unset, "false is not supported: the assistant's turn is always started"),
     "continue_final_message": Refusal(_empty, "continuing the final message is not supported"),

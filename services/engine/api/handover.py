@@ -78,8 +78,10 @@ class Handover:
 
 
 def can_disaggregate(params: SamplingParams) -> bool:
-    """One sample, no beam search: several samples share one prompt's blocks on one worker."""
-    return params.n == 1 and not params.use_beam_search
+    """One sample, no beam search: several samples (n > 1, best_of > 1) share one prompt's
+    blocks on one worker. Prompt logprobs split too: the prefill worker sends them with the
+    first token."""
+    return params.num_samples == 1 and not params.use_beam_search
 
 
 def continues_after_prefill(max_tokens: int, num_output_tokens: int, stopped: bool) -> bool:

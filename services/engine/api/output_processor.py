@@ -1,5 +1,10 @@
 """Turns engine progress into `RequestOutput`s: detokenizes, applies stop strings, and
-builds cumulative, delta or final outputs per the request's `output_kind`."""
+builds cumulative, delta or final outputs per the request's `output_kind`.
+
+Prompt logprobs arrive with a request's first token and go out with its next output (every
+output when cumulative). best_of > n: the best_of samples are held back until all finish,
+then the n with the highest cumulative logprob go out, best first, renumbered 0 .. n - 1.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from ..core.request import Request
 from ..core.scheduler_output import SampledToken
 from .detokenizer import IncrementalDetokenizer
 from .handover import KVPath
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from .outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from .sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -44,10 +49,16 @@ class RequestState:
     num_streamed_tokens: int | None = None  # tokens of all samples at the last output (None: none yet)
     kv_transfer_params: KVTransferParams | None = None
     kv_path: KVPath | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # once computed: None for the first token, then one dict each
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def picks_best(self) -> bool:
+        return self.params.num_samples > self.params.n
 
 
 class OutputProcessor:
@@ -81,7 +92,7 @@ class OutputProcessor:
                     params.include_stop_str_in_output,
                 ),
                 logprobs=[] if want_logprobs else None,
-                cumulative_logprob=0.0 if want_logprobs else None,
+                cumulative_logprob=0.0 if params.needs_logprobs else None,
             )
             for i in range(num_samples)
         ]
@@ -96,9 +107,12 @@ class OutputProcessor:
         state = self.states[request_id]
         sample = state.samples[index]
         sample.token_ids.append(token_id)
-        if sample.logprobs is not None and sampled.logprob is not None:
-            sample.logprobs.append(self._logprob_dict(sampled))
+        if sampled.logprob is not None and sample.cumulative_logprob is not None:
+            if sample.logprobs is not None:
+                sample.logprobs.append(self._logprob_dict(sampled))
             sample.cumulative_logprob += sampled.logprob
+        if sampled.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None, *(self._logprob_dict(entry) for entry in sampled.prompt_logprobs)]
         self._note_progress(state, request)
         return sample.detokenizer.append(token_id)
 
@@ -149,7 +163,7 @@ class OutputProcessor:
             if not state.touched:
                 continue
             finished = state.finished
-            if not finished and self._holds_back(state):
+            if not finished and (state.picks_best or self._holds_back(state)):
                 continue  # still touched: it goes out with a later step's tokens
             state.touched = False
             if finished:
@@ -194,7 +208,11 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
         delta = state.params.output_kind == RequestOutputKind.DELTA
         completions = []
-        for sample in state.samples:
+        samples = state.samples
+        if state.picks_best:  # all finished (held back until then): the n best, renumbered
+            ranked = sorted(samples, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)
+            samples = ranked[: state.params.n]
+        for new_index, sample in enumerate(samples):
             text = sample.detokenizer.take_delta(sample.finish_reason is not None)
             if delta:
                 begin = sample.num_sent_tokens
@@ -214,7 +232,7 @@ class OutputProcessor:
             sample.finish_sent = sample.finish_reason is not None
             completions.append(
                 CompletionOutput(
-                    sample.index,
+                    new_index if state.picks_best else sample.index,
                     text,
                     token_ids,
                     sample.cumulative_logprob,
@@ -223,6 +241,9 @@ class OutputProcessor:
                     sample.stop_reason,
                 )
             )
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_sent):
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -234,4 +255,5 @@ class OutputProcessor:
             state.kv_transfer_params if finished else None,
             state.kv_path,
             self.worker_id,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -17,6 +17,9 @@ class Logprob:
 
 # One dict per generated token: the sampled token plus the top-N alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then the prompt
+# token's logprob given the tokens before it, plus the top-N alternatives (vLLM's shape).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -61,6 +64,8 @@ class RequestOutput:
     # A request held across an update (pause mode "keep") reports the new one; its earlier
     # tokens came from the old weights (engine/weight_updates.py).
     weight_version: str | None = None
+    # prompt_logprobs asked for: in the first output that has them (every output when cumulative).
+    prompt_logprobs: PromptLogprobs | None = None
 
     # Shortcuts for the common single-sample case.
     @property
@@ -111,6 +116,7 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
             merged.cumulative_logprob = piece.cumulative_logprob
             merged.finish_reason, merged.stop_reason = piece.finish_reason, piece.stop_reason
     transfer = next((o.kv_transfer_params for o in reversed(outputs) if o.kv_transfer_params is not None), None)
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     return RequestOutput(
         last.request_id,
         last.prompt,
@@ -123,4 +129,5 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         last.kv_path,
         last.worker_id,
         last.weight_version,
+        prompt_logprobs,
     )

@@ -2,6 +2,12 @@
 
 Field names and defaults follow vLLM's `SamplingParams`, so code written against vLLM reads
 the same here. `validate_for_model` adds the checks that need the model (vocabulary size).
+
+best_of > n: best_of samples are generated and the n with the highest cumulative logprob
+(the raw logprobs `logprobs` reports, summed) are returned, best first, once all are done:
+nothing streams before the end. prompt_logprobs: computed during prefill from logits at
+every prompt position; such a request does not read the prefix cache (cached tokens have
+no logits), as in vLLM, though the blocks it fills are cached for others.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
 
+# OpenAI's bounds for a logit bias value.
+MAX_LOGIT_BIAS = 100.0
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 # Checked finite before their ranges: NaN fails every comparison (the range message would
@@ -95,6 +103,11 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_output: StructuredOutputParams | None = None  # constrain the output (JSON, regex, ...)
+    # token id -> value added to its logit before any other transform (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # top-N logprobs of every prompt token after the first (0: the prompt token's own only)
+    prompt_logprobs: int | None = None
+    best_of: int | None = None  # samples generated, >= n; the n best by cumulative logprob are returned
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,12 +161,53 @@ class SamplingParams:
             _check(self.max_tokens is not None, "max_tokens", "beam search needs max_tokens")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        self._check_extensions()
         if self.structured_output is not None:
             _check(
                 not self.use_beam_search,
                 "use_beam_search",
                 "beam search cannot be combined with structured output (beams would each need a grammar state)",
             )
+
+    def _check_extensions(self) -> None:
+        """logit_bias, prompt_logprobs and best_of (the ranges that need no model)."""
+        if self.logit_bias:
+            for token_id, value in self.logit_bias.items():
+                _check(
+                    isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0,
+                    "logit_bias",
+                    f"keys must be token ids (integers >= 0), got {token_id!r}",
+                )
+                _check(
+                    isinstance(value, int | float) and math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS,
+                    "logit_bias",
+                    f"the bias of token {token_id} must be a finite number in [-100, 100], got {value!r}",
+                )
+            _check(
+                not self.use_beam_search,
+                "logit_bias",
+                "cannot be combined with beam search (beams rank raw logprobs, which the bias does not change)",
+            )
+        if self.prompt_logprobs is not None:
+            _check(self.prompt_logprobs >= 0, "prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
+            _check(not self.use_beam_search, "prompt_logprobs", "cannot be combined with beam search")
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
+            _check(
+                not self.use_beam_search or self.best_of == self.n,
+                "best_of",
+                "beam search returns beam_width beams; best_of must be unset or equal n",
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated: best_of when set (the best n are returned), else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether each sampled token's logprob is computed: asked for, or best_of ranks by it."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def is_greedy(self) -> bool:
@@ -171,6 +225,15 @@ class SamplingParams:
                 "logprobs",
                 f"must be <= {max_logprobs} (the engine's max_logprobs), got {self.logprobs}",
             )
+        if self.prompt_logprobs is not None:
+            _check(
+                self.prompt_logprobs <= max_logprobs,
+                "prompt_logprobs",
+                f"must be <= {max_logprobs} (the engine's max_logprobs), got {self.prompt_logprobs}",
+            )
+        if self.logit_bias:
+            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+            _check(not bad, "logit_bias", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if self.use_beam_search:
             _check(
                 2 * self.beam_width <= vocab_size,

@@ -67,8 +67,8 @@ class KVCacheManager:
         The last token is never counted as cached: its logits are needed, so at least one
         token is always computed, even when the whole prompt is in the cache.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need logits at every prompt position (vLLM skips the cache too)
         block_hashes = request.update_block_hashes(self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

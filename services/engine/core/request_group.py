@@ -3,7 +3,10 @@
     n == 1        one request, named like the user request
     n > 1         a prefix request fills the blocks of all but the last prompt token once
                   (no sampling), then forks into n samples "<id>/<i>" sharing its blocks;
-                  a one-token prompt starts the n samples at once
+                  a one-token prompt starts the n samples at once, and so does a request
+                  asking for prompt logprobs: each sample computes the whole prompt with its
+                  logits, so the first output of any sample carries them
+    best_of > n   as n > 1 with best_of samples; the output keeps the n best (output_processor)
     beam search   one request per live beam "<id>/beam<k>", forked, extended and dropped
                   by `BeamSearchGroup` (beam_search.py)
 
@@ -13,6 +16,7 @@ one `Request` factory; it turns each sampled token into scheduler and output upd
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import random
@@ -77,6 +81,11 @@ class RequestGroup:
         """The one place an engine request is built."""
         prepared = self.prepared
         output_token_ids = list(output_token_ids or ())
+        params = params or prepared.params
+        if params.prompt_logprobs is not None and prepared.handover is not None and prepared.handover.is_decode:
+            # The prefill worker sent them with the first token (a resumed request: its first
+            # worker did); here the prompt's K/V arrives or is recomputed without them.
+            params = dataclasses.replace(params, prompt_logprobs=None)
         grammar = None
         if self.compiled_grammar is not None and needs_sampling:
             grammar = RequestGrammar(self.compiled_grammar, self.vocab_size)
@@ -87,7 +96,7 @@ class RequestGroup:
         return Request(
             request_id=engine_id,
             prompt_token_ids=prepared.prompt_token_ids if token_ids is None else token_ids,
-            sampling_params=params or prepared.params,
+            sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=prepared.max_tokens,
             seed=self.seed if seed is None else seed,
@@ -141,12 +150,12 @@ class RequestGroups:
         compiled = prepared.compiled_grammar()
         seed = prepared.seed if prepared.seed is not None else self._rng.getrandbits(63)
         group = RequestGroup(user_id, prepared, seed, self.eos_token_ids, self.vocab_size, compiled)
-        if params.n == 1 and not params.use_beam_search:
+        num_samples = params.beam_width if params.use_beam_search else params.num_samples
+        if num_samples == 1 and not params.use_beam_search:
             # Built first: it may refuse handed-over tokens, and nothing is registered yet then.
             single = group.new_request(user_id, output_token_ids=list(prepared.output_prefix))
         self.groups[user_id] = group
         self.num_constrained += compiled is not None
-        num_samples = params.beam_width if params.use_beam_search else params.n
         self.outputs.add_request(
             user_id, prepared.prompt, prompt_ids, params, prepared.arrival_time, num_samples, prepared.output_prefix
         )
@@ -154,10 +163,10 @@ class RequestGroups:
             first = group.new_request(f"{user_id}/beam0", params=beam_member_params(params))
             group.beams = BeamSearchGroup(user_id, params, self.eos_token_ids, [Beam(first, 0.0)])
             self._submit(first, Member(user_id, MemberKind.BEAM))
-        elif params.n == 1:
+        elif num_samples == 1:
             self._submit(single, Member(user_id, MemberKind.SAMPLE))
-        elif len(prompt_ids) == 1:
-            for i in range(params.n):
+        elif len(prompt_ids) == 1 or params.prompt_logprobs is not None:
+            for i in range(num_samples):
                 child = group.new_request(f"{user_id}/{i}", seed=_child_seed(seed, i))
                 self._submit(child, Member(user_id, MemberKind.SAMPLE, i))
         else:
@@ -241,7 +250,7 @@ class RequestGroups:
             if prefix.status != RequestStatus.RUNNING or prefix.num_computed_tokens < prefix.num_tokens:
                 continue
             group = self.groups[member.user_id]
-            for i in range(group.prepared.params.n):
+            for i in range(group.prepared.params.num_samples):
                 child = group.new_request(f"{member.user_id}/{i}", seed=_child_seed(group.seed, i))
                 self.scheduler.add_forked_request(prefix, child)
                 self._adopt(child, Member(member.user_id, MemberKind.SAMPLE, i))

@@ -80,6 +80,9 @@ class SampledToken:
     rank: int  # 1 = most likely token
     # Top-N (token id, logprob), most likely first; empty unless logprobs were asked for.
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # On a request's first token when it asked for prompt logprobs: one entry per prompt
+    # token after the first, each that token's logprob given the tokens before it.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,9 @@ batch into one varlen forward pass, decodes first:
 
     input_ids:   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 ]      positions: each token's index in its sequence
     slot_mapping: block_table[r][pos // B] * B + pos % B
+
+Requests that ask for prompt logprobs also get logits at the prompt positions each chunk
+computes (prompt_logprobs.py); the list goes out with their first sampled token.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from ...model.loader import load_weights
 from ...model.parallel import TPGroup
 from ...model.registry import create_model
 from ..api.sampling_params import SamplingParams
-from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..core.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from ..spec_decode.verify import verify
-from .sampler import Sampler, SamplingRow
+from .prompt_logprobs import PromptSpan, prompt_span, score_prompt_spans
+from .sampler import LogitBias, Sampler, SamplingRow
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     needs_sampling: bool
+    logit_bias: LogitBias | None = None  # sampling_params.logit_bias on the device
+    # Asked for prompt logprobs: the entries so far (prompt_logprobs.py); None once sent.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +57,7 @@ class _BatchInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # last token of each request that samples
     sample_request_ids: list[str]
+    prompt_spans: list[PromptSpan]  # prompt positions whose logits score prompt tokens
 
 
 class ModelRunner:
@@ -122,17 +130,50 @@ class ModelRunner:
     def _run(self, scheduler_output: SchedulerOutput) -> dict:
         batch = self._prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if batch.prompt_spans:
+            self._score_prompt(hidden, batch.prompt_spans)
         if not batch.sample_request_ids:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        prompt_logprobs = self._take_prompt_logprobs(batch.sample_request_ids)
         if self.tp.rank != 0:
             return {}  # rank 0 samples for the group
         masks = scheduler_output.grammar_bitmasks
         rows = [self._sampling_row(self.requests[rid], masks.get(rid)) for rid in batch.sample_request_ids]
         spec = scheduler_output.spec_token_ids
         if not spec:
-            return {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
-        return self._sample_and_verify(logits, batch.sample_request_ids, rows, spec)
+            sampled = {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
+        else:
+            sampled = self._sample_and_verify(logits, batch.sample_request_ids, rows, spec)
+        for rid, entries in prompt_logprobs.items():
+            sampled[rid][0].prompt_logprobs = entries
+        return sampled
+
+    def _score_prompt(self, hidden: torch.Tensor, spans: list[PromptSpan]) -> None:
+        """Adds this step's prompt positions to each asking request's entries."""
+        states = {s.request_id: self.requests[s.request_id] for s in spans}
+        scored = score_prompt_spans(
+            self.model.compute_logits,
+            hidden,
+            spans,
+            {rid: state.token_ids for rid, state in states.items()},
+            {rid: state.sampling_params.prompt_logprobs for rid, state in states.items()},
+            is_sampling_rank=self.tp.rank == 0,
+        )
+        for span in spans:
+            entries = states[span.request_id].prompt_logprobs
+            del entries[span.first_position :]  # a recomputed prompt replaces what it had
+            entries.extend(scored.get(span.request_id, ()))
+
+    def _take_prompt_logprobs(self, sample_request_ids: list[str]) -> dict[str, list[SampledToken]]:
+        """The finished entries of requests sampling their first token; every rank forgets
+        them, so all ranks keep planning the same prompt spans."""
+        taken = {}
+        for rid in sample_request_ids:
+            state = self.requests[rid]
+            if state.prompt_logprobs is not None:
+                taken[rid], state.prompt_logprobs = state.prompt_logprobs, None
+        return taken
 
     def _sample_and_verify(
         self, logits: torch.Tensor, request_ids: list[str], rows: list[SamplingRow], spec: dict[str, list[int]]
@@ -191,6 +232,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 needs_sampling=new.needs_sampling,
+                logit_bias=LogitBias.build(new.sampling_params.logit_bias, self.device),
+                prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -256,8 +299,13 @@ class ModelRunner:
 
         # Each request's last query token (and its drafts' tokens) in the flat batch.
         ends: dict[str, list[int]] = {}
-        for i, (rid, *_) in enumerate(rows):
+        prompt_spans = []
+        for i, (rid, state, first, n) in enumerate(rows):
             ends.setdefault(rid, []).append(int(query_start_loc[i + 1]) - 1)
+            if state.prompt_logprobs is not None:
+                span = prompt_span(rid, first, n, state.num_prompt_tokens, int(query_start_loc[i]))
+                if span is not None:
+                    prompt_spans.append(span)
         sample_ids, logits_indices = [], []
         for rid in order:
             state, num_drafts = self.requests[rid], len(spec.get(rid, ()))
@@ -284,6 +332,7 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             sample_request_ids=sample_ids,
+            prompt_spans=prompt_spans,
         )
 
     @staticmethod
@@ -294,6 +343,7 @@ class ModelRunner:
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
             grammar_bitmask=grammar_bitmask,
+            logit_bias=state.logit_bias,
         )
 
 

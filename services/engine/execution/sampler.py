@@ -3,6 +3,7 @@
 Order of operations for one row (the statistical tests compute the same distribution):
 
   raw logprobs = log_softmax(logits)                   (what `logprobs` reports)
+  logit bias   + each row's bias on its tokens          (one sparse add for the batch)
   penalties    repetition (prompt + output), presence and frequency (output)
   masks        allowed_token_ids; the grammar's bitmask (structured output); EOS/stop
                tokens before min_tokens, unless the grammar allows nothing else
@@ -24,6 +25,21 @@ from ..core.scheduler_output import SampledToken
 from ..structured_output.bitmask import apply_bitmask
 
 
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """A request's `logit_bias` as device tensors, built once when the request arrives."""
+
+    token_ids: torch.Tensor  # [m] int64
+    values: torch.Tensor  # [m] float32
+
+    @classmethod
+    def build(cls, bias: dict[int, float] | None, device: torch.device) -> LogitBias | None:
+        if not bias:
+            return None
+        token_ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        return cls(token_ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+
+
 @dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
@@ -31,6 +47,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     grammar_bitmask: torch.Tensor | None = None  # [1, vocab / 32] int32: the tokens it allows
+    logit_bias: LogitBias | None = None  # params.logit_bias on the device
 
 
 class Sampler:
@@ -46,14 +63,15 @@ class Sampler:
         """(raw logprobs where any row asks for logprobs, else None; the logits after penalties
         and masks), the two things sampling and speculative verification start from."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.needs_logprobs for r in rows) else None
+        logits = _apply_logit_bias(logits, rows)
         logits = self._apply_penalties(logits, rows)
         return raw_logprobs, self._apply_masks(logits, rows)
 
     @staticmethod
     def sampled_token(raw_logprobs: torch.Tensor | None, i: int, row: SamplingRow, token: int) -> SampledToken:
         """Row i's token, with its logprob, rank and top-N when the row asks for them."""
-        if row.params.logprobs is None:
+        if not row.params.needs_logprobs:
             return SampledToken(token, None, 0)
         row_logprobs = raw_logprobs[i]
         logprob = row_logprobs[token]
@@ -143,6 +161,17 @@ class Sampler:
             probs = torch.where(probs < threshold, 0.0, probs)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Adds every biased row's values at its token ids, in one indexed add."""
+    biased = [(i, row.logit_bias) for i, row in enumerate(rows) if row.logit_bias is not None]
+    if not biased:
+        return logits
+    row_index = torch.cat([torch.full_like(bias.token_ids, i) for i, bias in biased])
+    token_ids = torch.cat([bias.token_ids for _, bias in biased])
+    values = torch.cat([bias.values for _, bias in biased])
+    return logits.index_put_((row_index, token_ids), values, accumulate=True)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

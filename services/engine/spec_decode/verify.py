@@ -9,6 +9,8 @@ in the same batch is a request with k = 0, and samples exactly what the plain Sa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..core.scheduler_output import SampledToken
@@ -22,13 +24,12 @@ def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
     """The sampling rows of a request's k + 1 verified positions. A constrained request's
     bitmask has one row per position (RequestGrammar.fill_bitmasks)."""
     masks = row.grammar_bitmask
+    # replace(): every other field (the logit bias among them) is the request's at each position.
     return [
-        SamplingRow(
-            row.params,
-            row.generator,
-            row.prompt_token_ids,
-            [*row.output_token_ids, *drafts[:j]],
-            None if masks is None else masks[j : j + 1],
+        dataclasses.replace(
+            row,
+            output_token_ids=[*row.output_token_ids, *drafts[:j]],
+            grammar_bitmask=None if masks is None else masks[j : j + 1],
         )
         for j in range(len(drafts) + 1)
     ]

@@ -188,11 +188,11 @@ def test_compile_error_names_the_users_field(fake_gateway, chat, stream):
 # -- parameters Baton refuses rather than ignores ----------------------------------------
 
 REFUSED = [
-    (False, {"logit_bias": {"50256": -100}}, "logit_bias"),
-    (True, {"logit_bias": {"5": 1}}, "logit_bias"),
-    (False, {"echo": True}, "echo"),
+    (False, {"logit_bias": {"x5": -100}}, "logit_bias"),
+    (True, {"logit_bias": {"5": 101}}, "logit_bias"),
+    (True, {"echo": True}, "echo"),
     (False, {"suffix": "}"}, "suffix"),
-    (False, {"best_of": 3}, "best_of"),
+    (False, {"best_of": 3, "stream": True}, "best_of"),
     (False, {"best_of": 1, "n": 2}, "best_of"),
     (False, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
     (True, {"functions": [{"name": "f"}]}, "functions"),
@@ -209,7 +209,8 @@ REFUSED = [
     (True, {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     (False, {"use_beam_search": True}, "use_beam_search"),
     (False, {"bad_words": ["x"]}, "bad_words"),
-    (False, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (True, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (True, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     (False, {"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
     (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (
@@ -228,7 +229,7 @@ def test_unimplemented_parameters_are_400_naming_them(http, chat, body, param):
 
 
 HARMLESS = [
-    (False, {"logit_bias": {}, "echo": False, "suffix": "", "best_of": 2, "n": 2}),
+    (False, {"logit_bias": {}, "echo": False, "suffix": "", "best_of": 2, "n": 2, "stream": True}),
     (True, {"logit_bias": None, "modalities": ["text"], "parallel_tool_calls": True, "add_generation_prompt": True}),
     (True, {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k"}),
     (True, {"prediction": {"type": "content", "content": "x"}, "safety_identifier": "s", "priority": 0}),
