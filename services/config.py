@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .autoscaling.config import AutoscalingConfig
+from .autoscaling.config import AutoscalingConfig, GatewayAutoscalingConfig
 from .engine.config import EngineConfig
 from .gateway.api_keys import AuthConfig
 from .gateway.migration import DEFAULT_MAX_MIGRATIONS
@@ -99,6 +99,7 @@ class DeploymentConfig(BaseModel):
 
 
 class GatewayConfig(DeploymentConfig):
+    autoscaling: GatewayAutoscalingConfig | None = Field(None, description="Scale replicas with load instead")
     ray_actor_options: ActorOptions = Field(
         default_factory=lambda: ActorOptions(num_cpus=0.25), description="Resources per replica"
     )

@@ -1,6 +1,7 @@
 """The autoscaling section of a deployment's config (services/config.py re-exports it):
 Serve's `autoscaling_config` fields as Serve names them, so `baton serve` and the Helm chart
-hand it to Serve as is, plus Baton's signal policy (policy.py) in Serve's `policy` shape."""
+hand it to Serve as is, plus Baton's signal policy (policy.py) in Serve's `policy` shape, and
+the one field Serve does not take: how long a request waits for a role scaled to zero."""
 
 from __future__ import annotations
 
@@ -77,6 +78,12 @@ class AutoscalingConfig(BaseModel):
         None,
         description="Engine roles: scale on Baton's signals (queued prompt tokens, KV usage, TPOT); None: Serve's request count",
     )
+    cold_start_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="With min_replicas 0 (colocated, decode): how long a request waits for Serve to start a "
+        "replica before it gets 503 with Retry-After; prefill at zero is served on decode instead (Baton's, not Serve's)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingConfig:
@@ -90,4 +97,25 @@ class AutoscalingConfig(BaseModel):
 
     def serve_config(self) -> dict[str, Any]:
         """Serve's `autoscaling_config`: the fields as Serve names them, unset ones left out."""
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude=BATON_ONLY_FIELDS)
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
+
+
+BATON_ONLY_FIELDS = {"cold_start_timeout_s"}  # read by the gateway, never handed to Serve
+
+
+class GatewayAutoscalingConfig(AutoscalingConfig):
+    """The gateway's: Serve's request count, and never zero replicas (the gateway is where a
+    request for a role at zero waits, so it must be there to take it)."""
+
+    @model_validator(mode="after")
+    def _never_zero(self) -> GatewayAutoscalingConfig:
+        if self.min_replicas < 1:
+            raise ValueError(
+                f"gateway.autoscaling.min_replicas must be >= 1, got {self.min_replicas}: the gateway takes the "
+                "requests that wait for a role scaled to zero, so it cannot scale to zero itself"
+            )
+        return self

@@ -26,12 +26,18 @@ Then, in this order:
              clamped to [floor(min x decode), ceil(max x decode)] and decode to
              [floor(prefill / max), ceil(prefill / min)], from the other role's current count
              (the controller runs both policies; see role_board.py). Set the same bound on both.
+  demand     a deployment with requests (Serve's `total_num_requests`: running on its
+             replicas plus queued in callers' handles, over look_back_period_s) wants at
+             least 1 replica, whatever its signals say: a replica busy on a prompt reports
+             no queue, and a role at zero reports nothing at all.
   bounds     [min_replicas, max_replicas] of the deployment (Serve's, capacity-adjusted).
 
-Scale to zero (min_replicas: 0) is left to Serve's cold start and is not tested here: with no
-replica left nothing reports, and Serve adds one only when callers' handles queue a request,
-while the gateway answers 503 at once (decode) or prefills on decode (prefill) when it sees no
-replica of a role (router/live_replicas.py), so a role at zero may never be asked for again.
+Scale to zero (min_replicas: 0; scale_to_zero.py): with no replica left nothing reports. A
+decode or colocated request waits in the gateway with its call queued in Serve's handle, which
+counts in `total_num_requests` (Serve's wrapper then starts one at once, and the demand rule
+says the same). Prefill at zero gets no calls (its prompts run on decode), so its rule reads
+the prompt tokens waiting on the decode replicas instead (posted by decode's policy,
+role_board.py): a prefill replica comes back when prompts queue there.
 
 Delays are Serve's: Serve wraps every custom policy (ray.serve.autoscaling_policy.
 _apply_autoscaling_config) and moves the target only after the decision has wanted up for
@@ -59,6 +65,7 @@ from .. import metrics
 from . import role_board, signals
 
 STATE_SMOOTHED = "baton_smoothed_replicas"
+DEMAND = "serve_total_num_requests"  # the demand rule's signal: Serve's running + queued requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +100,11 @@ def _values(ctx, key: str) -> list[float]:
     return [float(v) for v in (ctx.aggregated_metrics or {}).get(key, {}).values()]
 
 
-def prefill_replicas(ctx, knobs: PolicyKnobs) -> tuple[float, str, float]:
+def prefill_replicas(ctx, knobs: PolicyKnobs, decode_waiting_prompt_tokens: float = 0.0) -> tuple[float, str, float]:
+    """`decode_waiting_prompt_tokens`: what waits on decode, the queue while prefill is at zero."""
     queued = sum(_values(ctx, signals.WAITING_PROMPT_TOKENS))
+    if ctx.current_num_replicas == 0:
+        queued = decode_waiting_prompt_tokens
     rates = [r for r in _values(ctx, signals.PREFILL_TOKENS_PER_S) if r > 0]
     rate = sum(rates) / len(rates) if rates else knobs.prefill_tokens_per_s
     return math.ceil(queued / (rate * knobs.ttft_target_s)), signals.WAITING_PROMPT_TOKENS, queued
@@ -138,11 +148,14 @@ def bound_by_ratio(role: str, desired: int, peer_replicas: int | None, knobs: Po
     return desired
 
 
-def decide(ctx, knobs: PolicyKnobs, peer_replicas: int | None = None) -> tuple[Decision, dict[str, Any]]:
-    """The pure rule: context (+ the other role's replicas) -> decision and new policy state."""
+def decide(
+    ctx, knobs: PolicyKnobs, peer_replicas: int | None = None, decode_waiting_prompt_tokens: float = 0.0
+) -> tuple[Decision, dict[str, Any]]:
+    """The pure rule: context (+ the other role's replicas, and for prefill the prompt tokens
+    waiting on decode) -> decision and new policy state."""
     role = knobs.role or ctx.deployment_name
     if role == "prefill":
-        raw, signal, value = prefill_replicas(ctx, knobs)
+        raw, signal, value = prefill_replicas(ctx, knobs, decode_waiting_prompt_tokens)
     elif role == "decode":
         raw, signal, value = decode_replicas(ctx, knobs)
     else:
@@ -151,6 +164,9 @@ def decide(ctx, knobs: PolicyKnobs, peer_replicas: int | None = None) -> tuple[D
     smoothed = smooth(state.get(STATE_SMOOTHED), raw, knobs.smoothing)
     state[STATE_SMOOTHED] = smoothed
     desired = bound_by_ratio(role, math.ceil(smoothed - 1e-9), peer_replicas, knobs)
+    demand = ctx.total_num_requests
+    if demand > 0 and desired < 1:
+        desired, raw, signal, value = 1, max(raw, 1), DEMAND, demand
     desired = min(max(desired, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
     return Decision(role, desired, float(raw), signal, float(value)), state
 
@@ -166,8 +182,10 @@ class BatonAutoscalingPolicy:
         role = self.knobs.role or ctx.deployment_name
         peer = {"prefill": "decode", "decode": "prefill"}.get(role)
         peer_replicas = role_board.BOARD.current(ctx.app_name, peer) if peer else None
-        decision, state = decide(ctx, self.knobs, peer_replicas)
-        role_board.BOARD.post(ctx.app_name, role, ctx.current_num_replicas)
+        decode_waiting = role_board.BOARD.waiting_prompt_tokens(ctx.app_name, "decode") if role == "prefill" else 0.0
+        decision, state = decide(ctx, self.knobs, peer_replicas, decode_waiting)
+        waiting = sum(_values(ctx, signals.WAITING_PROMPT_TOKENS))
+        role_board.BOARD.post(ctx.app_name, role, ctx.current_num_replicas, waiting)
         _record(decision, ctx)
         return decision.desired, state
 

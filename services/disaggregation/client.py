@@ -45,7 +45,8 @@ class DisaggregatedClient(EngineClient):
 
     Requests that cannot be split (`can_disaggregate`: n > 1, beam search) run whole on a
     decode worker (KVPath.LOCAL), and so does every request while no prefill replica is
-    live (all of them lost or restarting): slower prompts, no refusals.
+    live (all of them lost or restarting, or prefill scaled to zero): slower prompts, no
+    refusals; and while decode is scaled to zero (it waits for decode's cold start).
     """
 
     def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
@@ -53,9 +54,11 @@ class DisaggregatedClient(EngineClient):
         self.decode = decode_handle
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        if LIVE_REPLICAS.has_none("decode"):  # refused before any prefill work is spent on it
+        if LIVE_REPLICAS.refuses("decode"):  # refused before any prefill work is spent on it
             raise no_replicas("decode")
-        if not can_disaggregate(call.params) or LIVE_REPLICAS.has_none("prefill"):
+        # Decode scaled to zero: the request waits for its cold start on the decode side,
+        # whole, rather than holding a prefill lease that would expire meanwhile.
+        if not can_disaggregate(call.params) or LIVE_REPLICAS.has_none("prefill") or LIVE_REPLICAS.has_none("decode"):
             async for output in self._whole_on_decode(call, trace):
                 yield output
             return
@@ -94,7 +97,7 @@ class DisaggregatedClient(EngineClient):
             yield output
 
     async def model_info(self) -> WorkerModelInfo:
-        return await self.decode.model_info.remote()
+        return await guarded(self.decode.model_info.remote(), "decode")
 
     async def is_healthy(self) -> bool:
         return await answers(self.prefill) and await answers(self.decode)

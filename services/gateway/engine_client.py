@@ -7,11 +7,13 @@ router's request router does when one is configured). `DisaggregatedClient`
 A call waits for its first answer only while its deployment has a live replica
 (`guarded`, reading router/live_replicas.py): with none, Serve would queue it until one is
 back, and the client would hang; it gets NoHealthyWorkersError (503, Retry-After) instead.
+A role configured to scale to zero is waited for, bounded by its cold-start timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -82,7 +84,7 @@ class ColocatedClient(EngineClient):
             yield output
 
     async def model_info(self) -> WorkerModelInfo:
-        return await self.worker.model_info.remote()
+        return await guarded(self.worker.model_info.remote(), self.role)
 
     async def is_healthy(self) -> bool:
         return await answers(self.worker)
@@ -127,32 +129,46 @@ async def until_finished(response: Any, role: str) -> AsyncIterator[RequestOutpu
 
 async def guarded(first_answer: Awaitable[T], role: str) -> T:
     """`first_answer`, unless `role` has no live replica before it comes: then the call is
-    cancelled and NoHealthyWorkersError raised (Serve would hold it until a replica is back)."""
-    if LIVE_REPLICAS.has_none(role):
+    cancelled and NoHealthyWorkersError raised (Serve would hold it until a replica is back).
+
+    A role that scales to zero (LIVE_REPLICAS.cold_start_s) is not down at zero: the call
+    queued in the handle is the demand that makes Serve start a replica, so it is kept for up
+    to the role's cold-start timeout, and refused only if the role still has none by then."""
+    wait_s = LIVE_REPLICAS.cold_start_s(role)
+    if wait_s is None and LIVE_REPLICAS.has_none(role):
         _close(first_answer)
         raise no_replicas(role)
     task = asyncio.ensure_future(first_answer)
+    deadline = time.monotonic() + (wait_s or 0.0)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
             if done:
                 return task.result()
-            if LIVE_REPLICAS.has_none(role):
-                raise no_replicas(role)
+            if LIVE_REPLICAS.has_none(role) and (wait_s is None or time.monotonic() >= deadline):
+                raise no_replicas(role, wait_s)
     finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
 
-def no_replicas(role: str) -> NoHealthyWorkersError:
+def no_replicas(role: str, waited_s: float | None = None) -> NoHealthyWorkersError:
+    if waited_s is not None:
+        message = f"no {role} replica started within the {waited_s:g} s cold-start timeout (scaled to zero)"
+        return NoHealthyWorkersError(message, retry_after_s=RETRY_AFTER_S)
     return NoHealthyWorkersError(f"no {role} replica is running right now", retry_after_s=RETRY_AFTER_S)
 
 
 def _close(awaitable: Awaitable) -> None:
-    close = getattr(awaitable, "close", None)  # a coroutine never awaited warns unless closed
-    if close is not None:
-        close()
+    """Withdraws a call not awaited: a Serve response is cancelled (left queued in the handle,
+    it would run when a replica comes back, and count as demand until then); a coroutine
+    never awaited warns unless closed."""
+    for name in ("cancel", "close"):
+        method = getattr(awaitable, name, None)
+        if method is not None:
+            method()
+            return
 
 
 async def answers(handle: Any) -> bool:

@@ -14,6 +14,11 @@ replica is left.
 The view is per process because the routers are: each gateway replica sees its own handles.
 A role no router has reported yet (no call made, Serve still starting) counts as unknown,
 never as zero.
+
+A role configured to scale to zero (autoscaling min_replicas 0: colocated or decode; prefill
+at zero is served on the decode side instead) is registered here with its cold-start wait:
+at zero it is not down, Serve starts a replica for a call its handle queues, so a call waits
+for it, up to that many seconds, before it gets the 503.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class LiveReplicas:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # Serve's routers run on their own event-loop thread
         self._entries: dict[str, _Entry] = {}
+        self._cold_start_s: dict[str, float] = {}  # role -> how long a call waits at zero replicas
 
     def publish(self, role: str, count: int) -> None:
         with self._lock:
@@ -52,6 +58,23 @@ class LiveReplicas:
     def forget(self, role: str) -> None:
         with self._lock:
             self._entries.pop(role, None)
+            self._cold_start_s.pop(role, None)
+
+    def allow_cold_start(self, role: str, timeout_s: float) -> None:
+        """`role` may be at zero replicas by design: a call waits up to `timeout_s` for one."""
+        if not timeout_s > 0:
+            raise ValueError(f"cold start timeout of {role} must be > 0, got {timeout_s}")
+        with self._lock:
+            self._cold_start_s[role] = timeout_s
+
+    def cold_start_s(self, role: str) -> float | None:
+        """How long a call to `role` waits at zero replicas; None: it is refused at once."""
+        with self._lock:
+            return self._cold_start_s.get(role)
+
+    def refuses(self, role: str) -> bool:
+        """Zero replicas and none to wait for: a call to `role` gets the 503 at once."""
+        return self.has_none(role) and self.cold_start_s(role) is None
 
 
 # The one view of this process: Serve instantiates the routers itself (with JSON kwargs), so

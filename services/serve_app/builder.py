@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from .. import metrics
+from ..autoscaling.scale_to_zero import cold_start_waits
 from ..config import BatonConfig, Role
 from ..disaggregation.client import DisaggregatedClient
 from ..gateway.api_keys import ApiKeys, AuthConfig
@@ -19,6 +20,7 @@ from ..gateway.migration import DEFAULT_MAX_MIGRATIONS, MigratingClient
 from ..gateway.request_limits import RequestLimits
 from ..gateway.weight_admin import WeightAdmin
 from ..ray_env import import_ray
+from ..router.live_replicas import LIVE_REPLICAS
 from ..workers.engine_worker import EngineWorker
 
 HEALTH_CHECK_PERIOD_S = 5.0
@@ -39,7 +41,10 @@ class ServeGateway(Gateway):
         auth: AuthConfig | None = None,
         limits: RequestLimits | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        cold_starts: dict[str, float] | None = None,
     ) -> None:
+        for role, timeout_s in (cold_starts or {}).items():  # roles at zero are waited for, not refused
+            LIVE_REPLICAS.allow_cold_start(role, timeout_s)
         api_keys = ApiKeys.from_config(auth or AuthConfig())
         logger.info("gateway: %s", api_keys.describe())
         super().__init__(
@@ -89,6 +94,7 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         config.server.auth,
         config.server.limits,
         config.gateway.max_migrations,
+        cold_start_waits(config),
     )
 
 

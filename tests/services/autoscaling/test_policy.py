@@ -33,6 +33,7 @@ def context(
     min_replicas: int = 1,
     max_replicas: int = 8,
     config: ServeAutoscalingConfig | None = None,
+    total_num_requests: float = 1.0,
 ) -> AutoscalingContext:
     replicas = replica_ids(role, current)
     metrics = {key: dict(zip(replicas, values)) for key, values in per_replica.items()}
@@ -43,7 +44,7 @@ def context(
         current_num_replicas=current,
         target_num_replicas=current if target is None else target,
         running_replicas=replicas,
-        total_num_requests=1.0,
+        total_num_requests=total_num_requests,
         total_queued_requests=0.0,
         aggregated_metrics=metrics,
         raw_metrics={},
