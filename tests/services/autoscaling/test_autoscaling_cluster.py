@@ -7,6 +7,8 @@ replicas, a quarter CPU each) on what their replicas report, the tiny model, a r
            preempt): decode scales to 2 while prefill stays at 1; then a light load lets it
            scale down with streams in flight on it: none fails, every greedy output equals
            the offline engine's, and the replicas left have every block back
+  after each scale-down, Redis holds nothing of the replica that left (load row, registry,
+  block marks in its slot, its own keys)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from baton.services.engine import LLM, SamplingParams
 from baton.services.launcher.launcher import LocalDeployment, resolve_config
 from testlib.baton_client import greedy_request
 from testlib.models import tiny_model
+
+from .redis_leftovers import RedisView
 
 pytestmark = pytest.mark.ray
 
@@ -209,6 +213,28 @@ def wait_for_router_workers(deployment, role: str, count: int, timeout_s: float 
         time.sleep(0.1)
 
 
+def registered(deployment, role: str, count: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """The `count` replicas of `role` in the router's registry: worker id -> slot."""
+    redis = RedisView(deployment.config.router_config())
+    deadline = time.monotonic() + timeout_s
+    while len(ids := redis.worker_ids(role)) != count:
+        assert time.monotonic() < deadline, f"{len(ids)} {role} workers registered, not {count}"
+        time.sleep(0.1)
+    slots = redis.slots()
+    return {worker_id: slots.get(worker_id) for worker_id in ids}
+
+
+def assert_nothing_left_of_gone(deployment, role: str, before: dict[str, int], timeout_s: float = 10.0) -> None:
+    """The replica that went (in `before`, no longer registered) left no load row, registry
+    entry, block mark in its slot or key of its own in Redis."""
+    redis = RedisView(deployment.config.router_config())
+    (gone,) = set(before) - redis.worker_ids(role)
+    deadline = time.monotonic() + timeout_s
+    while left := redis.leftovers(gone, before[gone]):
+        assert time.monotonic() < deadline, f"Redis still holds {left} of {gone}, which left"
+        time.sleep(0.2)
+
+
 def settle(role: str, timeout_s: float = 30) -> None:
     """Every replica of `role` has all its blocks back and nothing in flight."""
     from ray import serve
@@ -234,6 +260,7 @@ def test_a_burst_of_long_prompts_scales_prefill_and_not_decode(deployment, clien
         decided_s = time.monotonic() - start
         queued = gauge(deployment.metrics_address, "baton_autoscaling_signal", role="prefill")
         scale_up_s = decided_s + replicas.wait("prefill", 2, SCALE_UP_WITHIN_S)
+        before = registered(deployment, "prefill", 2)
     finally:
         burst.stop()
     assert not burst.errors, burst.errors[:3]
@@ -243,6 +270,7 @@ def test_a_burst_of_long_prompts_scales_prefill_and_not_decode(deployment, clien
     scale_down_s = replicas.wait("prefill", 1, SCALE_DOWN_WITHIN_S)
     assert replicas.max_since("decode", start) == 1
     wait_for_router_workers(deployment, "prefill", 1)
+    assert_nothing_left_of_gone(deployment, "prefill", before)
     print(
         f"prefill: asked for 2 after {decided_s:.1f} s of burst ({queued:.0f} prompt tokens queued), "
         f"2 running after {scale_up_s:.1f} s ({len(burst.results)} prompts), back to 1 {scale_down_s:.1f} s after it"
@@ -269,6 +297,7 @@ def test_kv_pressure_scales_decode_and_it_scales_down_losing_nothing(deployment,
             deployment.metrics_address, "baton_autoscaling_signal", role="decode", signal="baton_preemptions_per_s"
         )
         scale_up_s = decided_s + replicas.wait("decode", 2, SCALE_UP_WITHIN_S)
+        before = registered(deployment, "decode", 2)
     finally:
         heavy.stop()
     assert replicas.max_since("prefill", start) == 1
@@ -278,6 +307,7 @@ def test_kv_pressure_scales_decode_and_it_scales_down_losing_nothing(deployment,
         light_start = time.monotonic()
         scale_down_s = replicas.wait("decode", 1, SCALE_DOWN_WITHIN_S)
         wait_for_router_workers(deployment, "decode", 1)
+        assert_nothing_left_of_gone(deployment, "decode", before)
         time.sleep(1.0)
     finally:
         light.stop()
