@@ -216,6 +216,22 @@ def test_signal_autoscaling_reaches_serve_as_its_policy(rendered):
     assert "policy" not in options["gateway"]["autoscaling_config"]
 
 
+def test_a_role_scaled_to_zero_tells_the_gateway_to_wait_for_it(rendered):
+    """Serve gets the bounds without Baton's cold-start timeout (it refuses unknown fields);
+    the args keep the wait, so the gateway waits for decode's cold start instead of a 503."""
+    from baton.services.autoscaling.scale_to_zero import cold_start_waits
+    from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+    objects = rendered("autoscaling")
+    (app,) = serve_config(objects)["applications"]
+    options = {d["name"]: d for d in app["deployments"]}
+    serve = ServeAutoscalingConfig(**options["decode"]["autoscaling_config"])
+    assert (serve.min_replicas, serve.max_replicas) == (0, 8)
+    assert "cold_start_timeout_s" not in options["decode"]["autoscaling_config"]
+    assert cold_start_waits(BatonConfig.model_validate(app["args"]["config"])) == {"decode": 300.0}
+    assert "autoscaling" not in app["args"]["config"]["prefill"]  # prefill at zero runs on decode: nothing to wait for
+
+
 def test_fixed_replicas_keep_the_autoscaler_off(rendered):
     cluster = one(rendered("minimal"), "RayService")["spec"]["rayClusterConfig"]
     assert "enableInTreeAutoscaling" not in cluster

@@ -18,6 +18,10 @@ _REFUSED = [
     ({"head": {"rayStartParams": {"num-cpus": 0}}}, "at '/head/rayStartParams/num-cpus': got number, want string"),
     ({"config": {"decode": {"autoscaling": {"min_replicas": 1}}}}, "missing property 'max_replicas'"),
     (
+        {"config": {"gateway": {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}}},
+        "at '/config/gateway/autoscaling/min_replicas'",
+    ),
+    (
         {
             "config": {
                 "decode": {

@@ -102,8 +102,8 @@ def baton_config(objects: list[Manifest]) -> dict[str, Any]:
     config = copy.deepcopy(app["args"]["config"])
     for deployment in app.get("deployments", []):
         section = config.setdefault(deployment["name"], {})
-        if "autoscaling_config" in deployment:
-            section["autoscaling"] = deployment["autoscaling_config"]
+        if "autoscaling_config" in deployment:  # over what the args keep of it (Baton's own fields)
+            section["autoscaling"] = {**section.get("autoscaling", {}), **deployment["autoscaling_config"]}
         if "num_replicas" in deployment:
             section["num_replicas"] = deployment["num_replicas"]
     return config

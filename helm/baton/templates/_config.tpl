@@ -117,8 +117,18 @@ replicas of that deployment. */ -}}
 {{- $section := default dict (get $args $role) -}}
 {{- $deployment := dict "name" $role -}}
 {{- if $section.autoscaling -}}
-{{- $_ := set $deployment "autoscaling_config" $section.autoscaling -}}
+{{- $given := $section.autoscaling -}}
+{{- $scaling := deepCopy $given -}}
+{{- $_ := unset $scaling "cold_start_timeout_s" -}}{{/* Baton's, not Serve's */}}
+{{- $_ := set $deployment "autoscaling_config" $scaling -}}
 {{- $_ := unset $section "autoscaling" -}}{{/* num_replicas stays: ignored with autoscaling */}}
+{{- if and (eq (int $given.min_replicas) 0) (ne $role "prefill") (ne $role "gateway") -}}
+{{- /* A role that scales to zero: the gateway waits for its cold start, so the args say so
+(services/autoscaling/scale_to_zero.py). max_replicas 1 only satisfies the typed config: the
+bounds in effect are Serve's options above, and stay out of the code version. */ -}}
+{{- $wait := dict "min_replicas" 0 "max_replicas" 1 "cold_start_timeout_s" (default 60 $given.cold_start_timeout_s) -}}
+{{- $_ := set $section "autoscaling" $wait -}}
+{{- end -}}
 {{- else -}}
 {{- $_ := set $deployment "num_replicas" (default 1 $section.num_replicas) -}}
 {{- $_ := unset $section "num_replicas" -}}
