@@ -155,14 +155,8 @@ class LocalDeployment:
         server.tls.check_files()
         if server.tls.enabled and ray.is_initialized():  # the proxy hook's settings travel in Ray's environment
             raise ValueError("server.tls needs a Ray that baton serve starts (Ray was already running here)")
-        if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:
-            logger.warning(
-                "server.grpc_host %s applies only to a Ray that baton serve starts (or whose processes have %s=%s): "
-                "this Ray was already running, and its gRPC proxy binds what it was started with",
-                server.grpc_host,
-                GRPC_HOST_ENV,
-                server.grpc_host,
-            )
+        if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:  # as TLS, it needs Ray's env
+            logger.warning("server.grpc_host %s not applied: Ray runs without %s", server.grpc_host, GRPC_HOST_ENV)
         if config.router.redis is None:
             self.redis = LocalRedis(self.run_dir / "redis", username="baton" if self.redis_acl else None)
             config = config.model_copy(
