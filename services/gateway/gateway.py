@@ -27,7 +27,7 @@ from fastapi import FastAPI
 
 from .. import metrics
 from ..engine.api.tokenizer import load_tokenizer
-from ..serve_app.replica_ports import bind_to_node_ip
+from ..replica_ports import bind_to_node_ip
 from ..serving_errors import ErrorStatus, NotFoundError, quiet_rejections, status_of
 from . import grpc_api
 from .admin_http import add_admin_routes

@@ -24,11 +24,11 @@ from ..engine.config import EngineConfig
 from ..engine.stats import EngineStats
 from ..kv_transfer.config import FaultInjection
 from ..metrics import EngineMetrics
+from ..replica_ports import bind_to_node_ip
 from ..roles import Role
 from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
-from ..serve_app.replica_ports import bind_to_node_ip
 from ..serving_errors import quiet_rejections
 from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
 from .admission import Admission, AdmissionLimits

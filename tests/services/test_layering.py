@@ -32,7 +32,7 @@ from testlib.import_graph import Import, find_cycle, imports, module_names, top_
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "roles", "ray_env", "metrics", "client_tls"),
+    ("__init__", "roles", "ray_env", "replica_ports", "metrics", "client_tls"),
     ("model",),
     ("kv_transfer",),
     ("engine",),
