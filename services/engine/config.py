@@ -136,12 +136,22 @@ class SpeculativeConfig(BaseModel):
 
     model_config = _FROZEN
 
-    method: Literal["ngram"] | None = Field(
-        None, description="ngram: prompt lookup over the request's own tokens, no extra model. None: off"
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None,
+        description="ngram: prompt lookup over the request's own tokens, no extra model. draft_model: a smaller "
+        "model with the target's tokenizer drafts k tokens autoregressively. None: off",
     )
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens verified per request per step (k)")
     prompt_lookup_min: int = Field(2, ge=1, description="ngram: the shortest suffix n-gram to look up")
     prompt_lookup_max: int = Field(5, ge=1, description="ngram: the longest suffix n-gram to look up")
+    draft_model: str | None = Field(
+        None,
+        description="draft_model: a Hugging Face folder with the target's vocabulary and tokenizer; it runs at "
+        "tensor-parallel size 1 in the engine's process, with its own KV cache",
+    )
+    draft_num_kv_blocks: int | None = Field(
+        None, ge=1, description="draft_model: blocks of the draft's own KV cache (default: as many as the target's)"
+    )
 
     @model_validator(mode="after")
     def _lookup_bounds(self) -> SpeculativeConfig:
@@ -150,6 +160,10 @@ class SpeculativeConfig(BaseModel):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("draft_model: method 'draft_model' needs the draft's Hugging Face folder")
+        if self.method != "draft_model" and (self.draft_model or self.draft_num_kv_blocks):
+            raise ValueError(f"draft_model is set but method is {self.method!r}: write method: draft_model")
         return self
 
     @property

@@ -25,13 +25,12 @@ from .api.tokenizer import load_tokenizer
 from .config import EngineConfig
 from .core.kv_events import KVEventPublisher, NullKVEventPublisher
 from .core.request import Request
-from .core.request_group import RequestGroups
+from .core.request_group import MemberKind, RequestGroups
 from .core.scheduler import Scheduler
 from .core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from .engine_setup import check_engine_config, create_executor, resolve_max_model_len
+from .engine_setup import check_engine_config, create_executor, create_speculator, resolve_max_model_len
 from .errors import InvalidRequestError
 from .execution.executor import Executor
-from .spec_decode.speculator import Speculator
 from .stats import EngineStats
 from .step_metrics import DevicePeaks, StepCostModel, StepWindow
 from .structured_output.grammar_compiler import GrammarCompiler
@@ -68,7 +67,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos, config.structured_output)
         self.inputs = InputProcessor(config, self.arch, self.tokenizer, self.max_model_len, self.grammars)
         self.worker_id = worker_id
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative.enabled else None
+        self.speculator = create_speculator(config, self.arch, self.tokenizer, self.max_model_len, self.num_kv_blocks)
         self.outputs = OutputProcessor(self.tokenizer, worker_id, self.config.scheduler.stream_interval)
         self.groups = RequestGroups(
             self.scheduler, self.outputs, eos, self.arch.vocab_size, config.model.seed, self._transfer_params
@@ -176,6 +175,8 @@ class EngineCore:
             self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_bitmasks = self.groups.grammar_bitmasks(scheduler_output)
+        if self.speculator is not None:
+            scheduler_output.spec_draft_probs = self.speculator.draft_probs(scheduler_output.spec_token_ids)
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         if (
             not scheduler_output.is_empty
@@ -193,7 +194,7 @@ class EngineCore:
                 self.scheduler.update_kv_transfer(runner_output.kv_transfer)
         self.groups.fork_completed_prefixes()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running_requests())
+            self.speculator.propose(self._may_speculate())
         self.publish_kv_events()
         return self.weights.stamp(self.outputs.take_outputs())
 
@@ -227,6 +228,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.speculator is not None:
+            self.speculator.check_integrity()  # the draft model's own blocks
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
@@ -264,6 +267,16 @@ class EngineCore:
                 self.scheduler.settle_drafts(request, num_drafts, len(sampled) - 1)
                 self.speculator.record(request_id, num_drafts, len(sampled) - 1)
             self.groups.on_sampled(request_id, sampled, now)
+
+    def _may_speculate(self) -> list[Request]:
+        """Running requests other than beams (a group's beams advance one token per step
+        together; their params say greedy, not beam search)."""
+        members = self.groups.members
+        return [
+            r
+            for r in self.scheduler.running_requests()
+            if (member := members.get(r.request_id)) is None or member.kind is not MemberKind.BEAM
+        ]
 
     def _record_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         pairs = context = 0

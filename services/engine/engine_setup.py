@@ -1,12 +1,21 @@
-"""Engine start-up: cross-field checks against the model, the context limit, the executor."""
+"""Engine start-up: cross-field checks against the model, the context limit, the executor,
+and the speculator (with its draft model)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from ..model.config import ModelArch
+from ..model.config import ModelArch, load_model_arch
+from .api.tokenizer import load_tokenizer
 from .config import EngineConfig
 from .execution.executor import Executor, UniProcExecutor
+from .execution.model_rank import resolve_device, resolve_dtype
+from .execution.sampler import Sampler
+from .spec_decode.draft_blocks import DraftBlockPool
+from .spec_decode.draft_proposer import DraftProposer
+from .spec_decode.draft_runner import DraftRunner
+from .spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +63,56 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArch, num_kv_blocks: 
         logger.warning("context limit lowered from %d to %d tokens: that is all the KV cache holds", limit, capacity)
         limit = capacity
     return limit
+
+
+def create_speculator(
+    config: EngineConfig, arch: ModelArch, tokenizer: Any, max_model_len: int, num_kv_blocks: int
+) -> Speculator | None:
+    """The speculator `engine.speculative` asks for; with method draft_model, the draft is
+    checked against the target and loaded here, at TP 1 in this process (on the device the
+    runner setting names), with its own KV cache of `draft_num_kv_blocks` blocks (default:
+    the target's count, so it holds as many tokens)."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    if spec.method != "draft_model":
+        return Speculator(spec, max_model_len)
+    draft_arch = load_model_arch(spec.draft_model)
+    check_draft_model(spec.draft_model, draft_arch, arch, tokenizer, max_model_len)
+    device = resolve_device(config.runner.device)
+    num_draft_blocks = spec.draft_num_kv_blocks or num_kv_blocks
+    runner = DraftRunner(
+        spec.draft_model,
+        draft_arch,
+        resolve_dtype(config.model.dtype, draft_arch, device),
+        device,
+        config.cache.block_size,
+        config.runner.kernel_backend,
+        num_draft_blocks,
+    )
+    pool = DraftBlockPool(num_draft_blocks)
+    drafter = DraftProposer(runner, pool, Sampler(arch.eos_token_ids))
+    return Speculator(spec, max_model_len, drafter)
+
+
+def check_draft_model(
+    draft_dir: str, draft_arch: ModelArch, arch: ModelArch, tokenizer: Any, max_model_len: int
+) -> None:
+    """The draft must share the target's vocabulary (q and p are compared token by token)
+    and its tokenizer (the same ids must mean the same text), and reach the context limit."""
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"speculative.draft_model {draft_dir} has vocab_size {draft_arch.vocab_size}, the target "
+            f"{arch.vocab_size}: the draft must share the target's vocabulary"
+        )
+    draft_tokenizer = load_tokenizer(draft_dir)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"speculative.draft_model {draft_dir} has another tokenizer than the target (their vocabularies "
+            "map tokens to different ids)"
+        )
+    if draft_arch.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative.draft_model {draft_dir} reaches {draft_arch.max_position_embeddings} positions, "
+            f"fewer than max_model_len {max_model_len}: lower max_model_len or pick another draft"
+        )

@@ -63,6 +63,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request verifies this step. Its scheduled
     # tokens are its last sampled token followed by these.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # ... and the distribution q each was drawn from ([k, V] per request), from a draft model
+    # sampling at temperature > 0; absent: q is one-hot on the drafts (n-gram, greedy).
+    spec_draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def has_kv_work(self) -> bool:

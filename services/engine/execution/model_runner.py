@@ -144,7 +144,9 @@ class ModelRunner:
         if not spec:
             sampled = {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
         else:
-            sampled = self._sample_and_verify(logits, batch.sample_request_ids, rows, spec)
+            sampled = self._sample_and_verify(
+                logits, batch.sample_request_ids, rows, spec, scheduler_output.spec_draft_probs
+            )
         for rid, entries in prompt_logprobs.items():
             sampled[rid][0].prompt_logprobs = entries
         return sampled
@@ -176,7 +178,12 @@ class ModelRunner:
         return taken
 
     def _sample_and_verify(
-        self, logits: torch.Tensor, request_ids: list[str], rows: list[SamplingRow], spec: dict[str, list[int]]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        rows: list[SamplingRow],
+        spec: dict[str, list[int]],
+        draft_probs: dict[str, torch.Tensor],
     ) -> dict[str, list]:
         """Requests with drafts go through verification (k + 1 logits rows each), the others
         through the plain sampler (one row each), so a draft in the batch costs its own
@@ -198,7 +205,8 @@ class ModelRunner:
             tokens = self.sampler(logits[plain_rows], [rows[i] for i in plain])
             out.update((request_ids[i], [token]) for i, token in zip(plain, tokens))
         drafts = [spec[request_ids[i]] for i in speculating]
-        verified = verify(self.sampler, logits[spec_rows], [rows[i] for i in speculating], drafts)
+        probs = [draft_probs.get(request_ids[i]) for i in speculating]
+        verified = verify(self.sampler, logits[spec_rows], [rows[i] for i in speculating], drafts, probs)
         out.update((request_ids[i], tokens) for i, tokens in zip(speculating, verified))
         return {rid: out[rid] for rid in request_ids}
 

@@ -1,14 +1,17 @@
 """Which requests speculate each step, with which drafts, and how well it pays.
 
 After a step, every running request that decodes next gets up to k drafts from the
-proposer (n-gram prompt lookup over its own tokens). The scheduler schedules them behind
-the request's last sampled token; the model runner verifies them (spec_decode/verify.py);
-`record` then counts what the target accepted.
+proposer: n-gram prompt lookup over its own tokens (`ngram`), or a draft model run k times,
+batched over those requests (`draft_model`, draft_proposer.py; its q goes with the drafts
+through `draft_probs`). The scheduler schedules them behind the request's last sampled
+token; the model runner verifies them (spec_decode/verify.py); `record` then counts what
+the target accepted.
 
 Drafts that are rejected cost a verification pass for nothing, so a request whose drafts do
 not pay pauses: after every WINDOW drafted tokens, a request that had fewer than MIN_RATE of
 them accepted drafts nothing for COOLDOWN steps, twice as long after each further bad window
-(up to MAX_COOLDOWN), and back to COOLDOWN after a good one.
+(up to MAX_COOLDOWN), and back to COOLDOWN after a good one. The same holds for both
+methods: a paused request costs the draft model nothing either.
 
 Structured output: drafts are cut at the first token the request's grammar refuses, and
 each verified position is masked by the grammar state after the drafts before it
@@ -25,8 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from ..config import SpeculativeConfig
 from ..core.request import Request, RequestStatus
+from .draft_proposer import DraftProposer
 from .ngram_proposer import NgramProposer
 
 WINDOW = 8  # drafted tokens per judgement
@@ -67,16 +73,20 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    """`drafter`: the draft model's proposer (method draft_model); None: n-gram lookup."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: DraftProposer | None = None) -> None:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.drafter = drafter
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._pacing: dict[str, _Pacing] = {}  # running requests only
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets `spec_token_ids` of every request that decodes next and may speculate."""
         pacing, self._pacing = self._pacing, {}
+        drafting: list[tuple[Request, int]] = []
         for request in requests:
             pace = self._pacing[request.request_id] = pacing.get(request.request_id) or _Pacing()
             room = self._room(request)
@@ -85,10 +95,30 @@ class Speculator:
             if pace.paused_steps:
                 pace.paused_steps -= 1
                 continue
+            drafting.append((request, room))
+        if self.drafter is not None:
+            self.drafter.retain(set(self._pacing))
+            if drafting:
+                batch = [r for r, _ in drafting]
+                for request, drafts in zip(batch, self.drafter.propose(batch, [room for _, room in drafting])):
+                    request.spec_token_ids = drafts  # drawn under the grammar's masks already
+            return
+        for request, room in drafting:
             drafts = self.proposer.propose(request.all_token_ids)[:room]
             if request.grammar is not None and drafts:
                 drafts = request.grammar.valid_drafts(drafts)  # a draft the grammar refuses can never be accepted
             request.spec_token_ids = drafts
+
+    def draft_probs(self, spec_token_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """q of the drafts a step verifies ([k, V] per request; absent: one-hot on the drafts)."""
+        if self.drafter is None:
+            return {}
+        probs = {rid: self.drafter.draft_probs(rid, len(drafts)) for rid, drafts in spec_token_ids.items()}
+        return {rid: q for rid, q in probs.items() if q is not None}
+
+    def check_integrity(self) -> None:
+        if self.drafter is not None:
+            self.drafter.check_integrity()
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         pace = self._pacing.get(request_id)

@@ -36,12 +36,18 @@ def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
 
 
 def verify(
-    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None] | None = None,
 ) -> list[list[SampledToken]]:
     """Per request, the accepted drafts and the token after them.
 
     logits: [sum(k_b + 1), V] request-major, each request's k_b + 1 positions in order;
-    rows: each request's row at its first position; drafts: each request's k_b drafts."""
+    rows: each request's row at its first position; drafts: each request's k_b drafts;
+    draft_probs: each request's [k_b, V] q (a draft model's), None where q is one-hot on
+    the drafts (n-gram drafts, greedy requests)."""
     flat_rows = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
     raw_logprobs, processed = sampler.process(logits, flat_rows)
     greedy = [row.params.is_greedy for row in rows]
@@ -56,11 +62,12 @@ def verify(
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         probs[index] = Sampler.probabilities(processed[index], [flat_rows[i].params for i in random_rows])
+    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=logits.device)
     batch = DraftBatch(
         num_draft_tokens=[len(d) for d in drafts],
-        draft_token_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=logits.device),
+        draft_token_ids=draft_ids,
         target_probs=probs,
-        draft_probs=None,  # n-gram drafts: q is one-hot on each draft
+        draft_probs=_stack_q(draft_probs, drafts, draft_ids, probs),
         is_greedy=greedy,
         generators=[row.generator for row in rows],
     )
@@ -75,3 +82,24 @@ def verify(
         )
         first_row += len(d) + 1
     return out
+
+
+def _stack_q(
+    draft_probs: list[torch.Tensor | None] | None,
+    drafts: list[list[int]],
+    draft_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+) -> torch.Tensor | None:
+    """[D, V] q in the batch's layout, one-hot rows where a request has none; None when no
+    request has q. A draft model may run on another device than the verifying rank."""
+    if draft_probs is None or all(q is None for q in draft_probs):
+        return None
+    vocab, device, dtype = target_probs.shape[1], target_probs.device, target_probs.dtype
+    parts, first = [], 0
+    for q, d in zip(draft_probs, drafts):
+        if q is None:
+            parts.append(torch.nn.functional.one_hot(draft_ids[first : first + len(d)], vocab).to(dtype))
+        else:
+            parts.append(q[: len(d)].to(device=device, dtype=dtype))
+        first += len(d)
+    return torch.cat(parts)
