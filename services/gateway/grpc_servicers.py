@@ -34,6 +34,9 @@ from ..serving_errors import quiet_rejections, retry_after_of
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after"
+# The health rpcs the gateway answers (gateway.py); Health/List is not served, so it is not
+# registered and the server answers UNIMPLEMENTED for it.
+HEALTH_RPCS = frozenset({"Check", "Watch"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +66,21 @@ def add_admin_servicer_to_server(servicer: Any, server: Any) -> None:
 def add_health_servicer_to_server(servicer: Any, server: Any) -> None:
     from grpc_health.v1 import health_pb2
 
-    add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], servicer, server)
+    add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], servicer, server, HEALTH_RPCS)
 
 
-def add_service(service: ServiceDescriptor, servicer: Any, server: Any) -> None:
-    """Registers every method of `service` as the generated code does, but with a tolerant
-    request parser."""
+def add_service(service: ServiceDescriptor, servicer: Any, server: Any, served: frozenset[str] | None = None) -> None:
+    """Registers the methods of `service` named in `served` (None: all of them) as the
+    generated code does, but with a tolerant request parser. `served` is what the gateway
+    implements: Serve's proxy passes a Mock servicer, which has every attribute, and an rpc
+    registered but not implemented fails in the replica as INTERNAL, quoting its attributes."""
     quiet_rejections()
     _wrap_serves_handlers(server)
     handlers = {
         method.name: _method_handler(method, behaviour)
         for method in service.methods
-        if (behaviour := getattr(servicer, method.name, None)) is not None  # Health/List: not served
+        if served is None or method.name in served
+        if (behaviour := getattr(servicer, method.name, None)) is not None
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     add_registered = getattr(server, "add_registered_method_handlers", None)  # grpcio >= 1.63
