@@ -45,7 +45,7 @@ def fuzz_settings(max_examples: int) -> settings:
 _INTERNALS = re.compile(
     r"Traceback|File \"|\.py\b|, line \d+|site-packages|/work/|/usr/|/tmp/|/home/"
     r"|\b\w*(Error|Exception)\b|pydantic|errors\.pydantic\.dev|\{'type'|'loc'|<class |object at 0x"
-    r"|\bActor(ID)?\b|actor_id|\bpid[=: ]\s*\d+|\bip=|\bnode_id|\b[0-9a-f]{24,}\b|\b\d+\.\d+\.\d+\.\d+:\d+"
+    r"|\bActor(ID)?\b|actor_id|\bpid[=: ]\s*\d+|\bip=|\bnode_id|\b(?=\d*[a-f])[0-9a-f]{24,}\b|\b\d+\.\d+\.\d+\.\d+:\d+"
 )
 
 
