@@ -136,7 +136,9 @@ class InputProcessor:
         return (prompt if isinstance(prompt, str) else None), ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate_for_model(self.arch.vocab_size, self.config.model.max_logprobs)
+        params.validate_for_model(
+            self.arch.vocab_size, self.config.model.max_logprobs, self.config.scheduler.max_num_seqs
+        )
         if (
             not self.config.scheduler.enable_chunked_prefill
             and len(prompt_ids) > self.config.scheduler.max_num_batched_tokens

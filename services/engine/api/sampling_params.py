@@ -217,8 +217,17 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the engine: vocabulary bounds and the logprobs limit."""
+    def validate_for_model(self, vocab_size: int, max_logprobs: int, max_num_seqs: int) -> None:
+        """Checks that need the engine: vocabulary bounds, the logprobs limit, and samples per
+        request (n, best_of, beam_width) within the sequences one step runs: each sample is a
+        sequence, and a request of billions of them would stall the engine building them."""
+        for name, value in (("n", self.n), ("best_of", self.best_of), ("beam_width", self.beam_width)):
+            if value is not None:
+                _check(
+                    value <= max_num_seqs,
+                    name,
+                    f"must be <= {max_num_seqs} (the engine's max_num_seqs: each sample is a sequence), got {value}",
+                )
         if self.logprobs is not None:
             _check(
                 self.logprobs <= max_logprobs,

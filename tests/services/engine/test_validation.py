@@ -89,6 +89,24 @@ def test_engine_checks_need_the_model(llm):
         llm.generate([""], SamplingParams())
 
 
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 2**31}, "n"),
+        ({"n": 1, "best_of": 2**40}, "best_of"),
+        ({"use_beam_search": True, "beam_width": 10**6}, "beam_width"),
+    ],
+)
+def test_samples_per_request_are_bounded_by_max_num_seqs(llm, kwargs, field):
+    """Each sample is a sequence: billions of them would stall the engine while it built them."""
+    max_num_seqs = llm.core.config.scheduler.max_num_seqs
+    with pytest.raises(InvalidRequestError, match=f"{field}.*<= {max_num_seqs}"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1, **kwargs))
+    assert not llm.core.has_unfinished_requests()
+    outputs = llm.generate(["hi"], SamplingParams(max_tokens=1, n=max_num_seqs))
+    assert len(outputs[0].outputs) == max_num_seqs
+
+
 def test_one_bad_prompt_queues_nothing(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", list(range(100))], SamplingParams())
