@@ -29,7 +29,7 @@ from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
 from .openai_auth import ApiKeyMiddleware, caller_of
 from .openai_body_limit import BodySizeLimit
-from .openai_errors import body_error, check_strings
+from .openai_errors import body_error, check_strings, unreadable_body
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionAccumulator,
@@ -271,7 +271,6 @@ class OpenAIApi:
 
 # FastAPI's detail when the body is no text JSON can read (bytes that are not UTF-8, say).
 FASTAPI_UNREADABLE_BODY = "There was an error parsing the body"
-_UNREADABLE_BODY = "the request body could not be read as JSON: it must be UTF-8 JSON text"
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
@@ -292,7 +291,8 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
         """Unknown paths, wrong methods, unreadable bodies: OpenAI's shape, like every error."""
         where = f"{request.method} {request.url.path}"
         message = {404: f"{where} does not exist", 405: f"{where}: method not allowed"}.get(
-            error.status_code, _UNREADABLE_BODY if error.detail == FASTAPI_UNREADABLE_BODY else str(error.detail)
+            error.status_code,
+            unreadable_body(error.__cause__) if error.detail == FASTAPI_UNREADABLE_BODY else str(error.detail),
         )
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         body = error_body(message, kind if error.status_code < 500 else "internal_error", None, error.status_code)

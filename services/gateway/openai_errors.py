@@ -43,6 +43,16 @@ def body_error(error: RequestValidationError, model: type[BaseModel] | None) -> 
     return InvalidRequestError(path, _either(list(dict.fromkeys(problems))))
 
 
+def unreadable_body(cause: BaseException | None) -> str:
+    """Why FastAPI could not parse a body (its HTTPException says only that it could not; the
+    parser's error is the cause), without the parser's own wording."""
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to read"
+    if isinstance(cause, ValueError) and not isinstance(cause, UnicodeDecodeError) and "digits" in str(cause):
+        return "a number in the request body has too many digits"
+    return "the request body could not be read as JSON: it must be UTF-8 JSON text"
+
+
 def field_path(model: type[BaseModel] | None, loc: tuple) -> str:
     """`messages[0].content` for loc ("messages", 0, "content", "str"): walks the model's
     fields (by alias) and stops at the first step that is no field, such as a union's

@@ -48,8 +48,26 @@ def error_of(reply, status: int = 400) -> dict:
         ("{bad", JSON, "invalid JSON at line 1 column 2: Expecting property name enclosed in double quotes"),
         ('{"prompt": "hi",\n "max_tokens": }', JSON, "invalid JSON at line 2 column 16: Expecting value"),
         (b'{"prompt": "\xff"}', JSON, "the request body could not be read as JSON: it must be UTF-8 JSON text"),
+        ("[" * 100_000 + "]" * 100_000, JSON, "the request body is nested too deeply to read"),
+        (
+            '{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}",
+            JSON,
+            "a number in the request body has too many digits",
+        ),
     ],
-    ids=["null", "list", "string", "text-plain", "form", "empty", "bad-json", "bad-json-line-2", "not-utf8"],
+    ids=[
+        "null",
+        "list",
+        "string",
+        "text-plain",
+        "form",
+        "empty",
+        "bad-json",
+        "bad-json-line-2",
+        "not-utf8",
+        "too-deep",
+        "too-many-digits",
+    ],
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_body_that_is_no_json_object_is_a_400_saying_so(http, path, content, headers, message):
