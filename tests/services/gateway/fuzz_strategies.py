@@ -116,9 +116,10 @@ max_tokens_values = st.one_of(
     st.integers(300, 2**70),
     wrong_types.filter(lambda v: v is not None),
 )
-# Samples per request: small, refused, or of a wrong type. Not huge: n = 2**31 is accepted
-# today and expanded sample by sample in the engine (no bound on n or best_of yet).
-num_samples_values = st.one_of(st.integers(1, 3), st.integers(-(2**40), 0), wrong_types)
+# Samples per request: few, over the engine's max_num_seqs (refused), or of a wrong type.
+num_samples_values = st.one_of(
+    st.integers(1, 3), st.integers(-(2**40), 0), st.integers(4, 2**70), st.sampled_from(BIG_INTS), wrong_types
+)
 unknown_names = st.from_regex(r"\Ax_fuzz_[a-z0-9_]{0,8}\Z") | short_text.map(lambda s: f"x-{s}")
 
 
