@@ -1,6 +1,6 @@
-"""Speculative decoding (n-gram drafts) against the same engine without it, one run.
+"""Speculative decoding (n-gram drafts, a draft model) against the same engine without it, one run.
 
-    python bench/speculative.py [--quick] [--k 3]
+    python bench/speculative.py [--quick] [--k 3] [--only NAME ...]
 
 TPOT at concurrency 1 (requests one at a time) and 8 (eight at once), speculative vs not, on
 the same requests, the two engines alternating run after run; each TPOT is the mean over
@@ -24,11 +24,23 @@ n-gram in 256 tokens, so n-gram lookup finds nothing to draft. The workloads:
   reject    the bench model with one-token lookups (prompt_lookup_min 1) over 512-token
             random prompts: nearly every step verifies drafts and nearly all are rejected.
             The worst case.
+
+With `method: draft_model`:
+
+  draft=target   the bench model drafting for itself, random prompts, greedy: every draft
+                 is accepted (the mechanism's ceiling), but each draft pass costs a target
+                 decode, so it cannot pay.
+  draft-cycle    the cycle model as target, drafted by a one-layer copy of it (its layers
+                 add nothing, so the copy predicts exactly what the target does, at an
+                 eighth of the layers): full acceptance from a cheap draft.
+  draft-small    the bench model drafted by a small random model with its tokenizer (2
+                 layers, hidden 128): near-zero acceptance, the cost of a useless draft.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import statistics
@@ -51,7 +63,8 @@ class Workload:
     model: Path
     prompts: list[list[int]]
     params: SamplingParams
-    lookup: tuple[int, int]  # prompt_lookup_min, prompt_lookup_max
+    lookup: tuple[int, int] = (2, 5)  # ngram: prompt_lookup_min, prompt_lookup_max
+    draft: Path | None = None  # draft_model: the draft's folder (None: ngram)
 
 
 def cyclic_model(dst: Path, logit_scale: float, seed: int = 0) -> Path:
@@ -77,6 +90,37 @@ def cyclic_model(dst: Path, logit_scale: float, seed: int = 0) -> Path:
     return dst
 
 
+def shallow_copy(src: Path, dst: Path, num_layers: int) -> Path:
+    """`src` with only its first `num_layers` decoder layers (the draft of draft-cycle)."""
+    if (dst / "model.safetensors").exists():
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(dst / "model.safetensors")
+    kept = {
+        name: w
+        for name, w in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def small_draft(dst: Path) -> Path:
+    """A small random model with the bench model's tokenizer (same vocabulary, same training)."""
+    from baton.services.model.tiny import make_tiny_model
+
+    if not (dst / "model.safetensors").exists():
+        make_tiny_model(
+            dst, preset="bench", seed=1, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        )  # fmt: skip
+    return dst
+
+
 def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 8000) for _ in range(length)] for _ in range(num)]
@@ -87,11 +131,17 @@ def workloads(quick: bool) -> list[Workload]:
     greedy = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=n_out, temperature=1.0, ignore_eos=True, seed=0)
     num = 8
+    cycle = cyclic_model(OUT / "cycle", 1.0)
     return [
-        Workload("cycle", cyclic_model(OUT / "cycle", 1.0), random_prompts(num, 128, 1), greedy, (2, 5)),
-        Workload("cycle-T", cyclic_model(OUT / "cycle-t", 0.24), random_prompts(num, 128, 2), sampled, (2, 5)),
-        Workload("random", bench_model(), random_prompts(num, 128, 3), greedy, (2, 5)),
+        Workload("cycle", cycle, random_prompts(num, 128, 1), greedy),
+        Workload("cycle-T", cyclic_model(OUT / "cycle-t", 0.24), random_prompts(num, 128, 2), sampled),
+        Workload("random", bench_model(), random_prompts(num, 128, 3), greedy),
         Workload("reject", bench_model(), random_prompts(num, 512, 4), greedy, (1, 3)),
+        Workload("draft=target", bench_model(), random_prompts(num, 128, 5), greedy, draft=bench_model()),
+        Workload(
+            "draft-cycle", cycle, random_prompts(num, 128, 6), greedy, draft=shallow_copy(cycle, OUT / "cycle-1", 1)
+        ),
+        Workload("draft-small", bench_model(), random_prompts(num, 128, 7), greedy, draft=small_draft(OUT / "small")),
     ]
 
 
@@ -130,15 +180,12 @@ def _fields(params: SamplingParams) -> dict:
 def bench(workload: Workload, k: int, runs: int) -> None:
     common = dict(num_kv_blocks=4096, num_threads=2, max_model_len=2048)
     plain = LLM(model=str(workload.model), **common)
-    lo, hi = workload.lookup
-    spec = LLM(
-        model=str(workload.model),
-        speculative_method="ngram",
-        num_speculative_tokens=k,
-        prompt_lookup_min=lo,
-        prompt_lookup_max=hi,
-        **common,
-    )
+    if workload.draft is None:
+        lo, hi = workload.lookup
+        method = dict(speculative_method="ngram", prompt_lookup_min=lo, prompt_lookup_max=hi)
+    else:
+        method = dict(speculative_method="draft_model", draft_model=str(workload.draft))
+    spec = LLM(model=str(workload.model), num_speculative_tokens=k, **method, **common)
     for llm in (plain, spec):  # warm-up
         llm.generate(workload.prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for concurrency in (1, 8):
@@ -160,7 +207,7 @@ def bench(workload: Workload, k: int, runs: int) -> None:
         best_plain, best_spec = min(times["plain"]), min(times["spec"])
         ratios = [s / p for s, p in zip(times["spec"], times["plain"])]
         print(
-            f"{workload.name:8} conc {concurrency}: TPOT plain {best_plain * 1e3:6.2f} ms, spec {best_spec * 1e3:6.2f} ms"
+            f"{workload.name:12} conc {concurrency}: TPOT plain {best_plain * 1e3:6.2f} ms, spec {best_spec * 1e3:6.2f} ms"
             f" -> {best_spec / best_plain:5.2f}x (median paired {statistics.median(ratios):5.2f}x);"
             f" acceptance {rate:4.2f}, mean acceptance length {length:4.2f},"
             f" {draft_tokens / max(runs, 1):7.0f} drafts/run; {same}",
