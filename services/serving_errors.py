@@ -30,6 +30,7 @@ from .engine.errors import EngineDeadError, InvalidRequestError
 WORKER_LOST = "a worker stopped while serving this request; retrying it may succeed"
 ENGINE_STOPPED = "the engine serving this request stopped after an internal error; retrying it may succeed"
 CANCELLED = "the request was cancelled (the client went away or its deadline passed)"
+INTERNAL_ERROR = "internal server error (the server's log has the details)"
 # When a refused client may try again, unless the error says: a replica's queue drains, or a
 # replica comes back, within about this long.
 DEFAULT_OVERLOAD_RETRY_AFTER_S = 1.0
@@ -186,7 +187,8 @@ def status_of(error: BaseException) -> ErrorStatus:
         return ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error", str(cause))
     if isinstance(cause, TimeoutError):
         return ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", str(cause) or "request timed out")
-    return ErrorStatus(grpc.StatusCode.INTERNAL, 500, "internal_error", str(cause) or "internal server error")
+    # A server error's own text can hold internals (paths, ids, reprs): the log has it, with its traceback.
+    return ErrorStatus(grpc.StatusCode.INTERNAL, 500, "internal_error", INTERNAL_ERROR)
 
 
 def is_cancellation(error: BaseException) -> bool:

@@ -276,7 +276,8 @@ _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": Ch
 
 def build_http_app(api: OpenAIApi) -> FastAPI:
     """The OpenAI-compatible routes, bound to one API instance (one per replica)."""
-    http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment")
+    # No redirect from a path with a trailing slash: a 307 without a body is no error OpenAI clients read.
+    http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment", redirect_slashes=False)
     http.add_middleware(ApiKeyMiddleware, api_keys=api.api_keys, record_error=api.record_error)
     # Added last, so it runs first: a body over the limit costs no more than its counting.
     max_bytes = api.service.limits.max_request_bytes

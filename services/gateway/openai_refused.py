@@ -62,7 +62,7 @@ CHAT_REFUSALS = {
     "functions": Refusal(_empty, "is deprecated by OpenAI and not supported; use tools and tool_choice"),
     "function_call": Refusal(_unset, "is deprecated by OpenAI and not supported; use tools and tool_choice"),
     "audio": Refusal(_unset, "audio output is not supported"),
-    "modalities": Refusal(lambda v: v is None or list(v) == ["text"], 'only ["text"] output is supported'),
+    "modalities": Refusal(lambda v: v is None or v == ["text"], 'only ["text"] output is supported'),
     "reasoning_effort": Refusal(_unset, "reasoning controls are not supported"),
     "verbosity": Refusal(_unset, "verbosity controls are not supported"),
     "web_search_options": Refusal(_unset, "web search is not supported"),

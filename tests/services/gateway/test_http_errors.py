@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from baton.services.gateway.openai_api import build_http_app
+from baton.services.serving_errors import INTERNAL_ERROR
 from fastapi.testclient import TestClient
 
 JSON = {"content-type": "application/json"}
@@ -186,6 +187,19 @@ def test_a_rejection_is_one_log_line_and_a_server_error_a_traceback(fake_gateway
         rejections = [r for r in caplog.records if r.name == "baton.services.gateway.gateway"]
         assert len(rejections) == 2 and all(r.levelno == logging.INFO and r.exc_info is None for r in rejections)
         caplog.clear()
-        assert error_of(http.post("/v1/completions", json={"prompt": "hi"}), 500)["message"] == "boom"
+        # The client is not told the error's own text (it may hold internals); the log has it.
+        assert error_of(http.post("/v1/completions", json={"prompt": "hi"}), 500)["message"] == INTERNAL_ERROR
     (failure,) = [r for r in caplog.records if r.name == "baton.services.gateway.gateway"]
-    assert failure.levelno == logging.ERROR and failure.exc_info is not None
+    assert failure.levelno == logging.ERROR and failure.exc_info is not None and "boom" in failure.getMessage()
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect(http):
+    error = error_of(http.get("/v1/models/"), 404)
+    assert error["message"] == "GET /v1/models/ does not exist"
+
+
+@pytest.mark.parametrize("value", [False, 3, "text", {"a": 1}])
+def test_modalities_that_are_not_a_list_are_a_400_naming_it(http, value):
+    body = {"messages": CHAT, "modalities": value}
+    error = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "modalities", error
