@@ -74,9 +74,11 @@ class Gateway(GrpcAdmin):
             caller = self._caller(grpc_context)
             generation = grpc_api.generation_request(self._parsed(request))
             generation.owner = caller.owner
-            num_top = generation.params.logprobs or 0
-            async for event in self.service.stream(await self.service.prepare(generation)):
-                yield grpc_api.generate_response(event, num_top)
+            params = generation.params
+            prepared = await self.service.prepare(generation)
+            prompt_ids = prepared.call.prompt_token_ids
+            async for event in self.service.stream(prepared):
+                yield grpc_api.generate_response(event, params.logprobs or 0, prompt_ids, params.prompt_logprobs or 0)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
         with self._grpc_errors(grpc_context):

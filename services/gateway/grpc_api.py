@@ -30,6 +30,8 @@ _OPTIONAL_FIELDS = (
     "repetition_penalty",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "prompt_logprobs",
+    "best_of",
 )
 
 
@@ -92,6 +94,8 @@ def sampling_params(message: pb.SamplingParameters, constraint: Constraint | Non
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in kwargs:
             kwargs[name] = round(kwargs[name], 6)
+    if message.logit_bias:
+        kwargs["logit_bias"] = {token_id: round(bias, 6) for token_id, bias in message.logit_bias.items()}
     return SamplingParams(
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
@@ -100,7 +104,9 @@ def sampling_params(message: pb.SamplingParameters, constraint: Constraint | Non
     )
 
 
-def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.GenerateResponse:
+def generate_response(
+    event: GenerationEvent, num_top_logprobs: int, prompt_token_ids: list[int], num_top_prompt_logprobs: int = 0
+) -> pb.GenerateResponse:
     completion = event.completion
     response = pb.GenerateResponse(
         request_id=event.request_id,
@@ -114,12 +120,10 @@ def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.Gener
     elif isinstance(completion.stop_reason, str):
         response.stop_string = completion.stop_reason
     for token_id, entries in zip(completion.token_ids, completion.logprobs or []):
-        chosen = entries[token_id]
-        ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:num_top_logprobs]
-        top = [pb.TopLogprob(token_id=t, logprob=e.logprob, token=e.decoded_token or "") for t, e in ranked]
-        response.logprobs.append(
-            pb.TokenLogprob(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank, top_logprobs=top)
-        )
+        response.logprobs.append(_token_logprob(token_id, entries, num_top_logprobs))
+    for token_id, entries in zip(prompt_token_ids, event.prompt_logprobs or []):
+        if entries is not None:  # the first prompt token's: nothing precedes it
+            response.prompt_logprobs.append(_token_logprob(token_id, entries, num_top_prompt_logprobs))
     if event.finished:
         usage = event.usage
         response.usage.CopyFrom(
@@ -141,6 +145,13 @@ def generate_response(event: GenerationEvent, num_top_logprobs: int) -> pb.Gener
             )
         )
     return response
+
+
+def _token_logprob(token_id: int, entries: dict, num_top: int) -> pb.TokenLogprob:
+    chosen = entries[token_id]
+    ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:num_top]
+    top = [pb.TopLogprob(token_id=t, logprob=e.logprob, token=e.decoded_token or "") for t, e in ranked]
+    return pb.TokenLogprob(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank, top_logprobs=top)
 
 
 def model_info(info: WorkerModelInfo, roles: list[str], mode: str, router: str) -> pb.ModelInfo:

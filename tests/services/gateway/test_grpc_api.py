@@ -34,7 +34,7 @@ def client(baton_app):
 def offline():
     llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=128, max_model_len=256)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    return {p: out for p, out in zip(PROMPTS, llm.generate(PROMPTS, params))}
+    return {"llm": llm, **{p: out for p, out in zip(PROMPTS, llm.generate(PROMPTS, params))}}
 
 
 def wait_for_free_blocks(timeout_s: float = 10.0):
@@ -343,3 +343,54 @@ def test_local_mode_listens_on_loopback_only(baton_app, client):
     grpc_port = int(baton_app.grpc_address.rsplit(":", 1)[1])
     assert grpc_port in {port for _, port in listening}, "the gRPC proxy's port is not among them"
     assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, sorted(listening)
+
+
+def test_logit_bias_prompt_logprobs_and_best_of_equal_the_offline_engine(client, offline):
+    llm = offline["llm"]
+    prompt = PROMPTS[1]
+    prompt_ids = offline[prompt].prompt_token_ids
+    favoured = offline[prompt].token_ids[3]  # the bias makes it every greedy token
+    sampling = pb.SamplingParameters(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    sampling.logit_bias[favoured] = 100.0
+    responses = collect(client, pb.GenerateRequest(text=prompt, sampling=sampling))
+    expected = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2, logit_bias={favoured: 100.0}),
+    )[0]
+    assert [t for r in responses for t in r.token_ids] == expected.token_ids == [favoured] * 6
+    scored = responses[0].prompt_logprobs
+    assert [e.token_id for e in scored] == prompt_ids[1:]
+    for entry, entries in zip(scored, expected.prompt_logprobs[1:]):
+        assert entry.logprob == pytest.approx(entries[entry.token_id].logprob, abs=1e-4)
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    assert all(not r.prompt_logprobs for r in responses[1:])
+
+    best = pb.SamplingParameters(max_tokens=5, temperature=1.0, seed=11, n=2, best_of=4, ignore_eos=True)
+    responses = collect(client, pb.GenerateRequest(text=prompt, sampling=best))
+    kept = llm.generate(
+        [prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2, best_of=4, ignore_eos=True)
+    )
+    by_index = {r.index: list(r.token_ids) for r in responses if r.token_ids}
+    assert by_index == {i: c.token_ids for i, c in enumerate(kept[0].outputs)}
+
+
+@pytest.mark.parametrize(
+    "sampling,field",
+    [
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"n": 10**6}, "n"),
+        ({"prompt_logprobs": 10**6}, "prompt_logprobs"),
+    ],
+)
+def test_bad_sampling_extensions_name_the_field(client, sampling, field):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, greedy_request("hi", max_tokens=2, **sampling))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+
+
+def test_a_logit_bias_outside_the_vocabulary_names_the_field(client):
+    sampling = pb.SamplingParameters(max_tokens=2)
+    sampling.logit_bias[10**6] = 1.0
+    with pytest.raises(grpc.RpcError) as info:
+        collect(client, pb.GenerateRequest(text="hi", sampling=sampling))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in info.value.details()
