@@ -33,14 +33,14 @@ def http(address: str, chunked: bool, path: str = "/v1/completions") -> dict:
 def grpc_proxy(address: str) -> dict:
     import grpc
 
-    data = b"\x0a" + _varint(TEN_MB) + b"z" * TEN_MB  # field 1, a 10 MB string: an unknown field there
+    data = b"\x0a" + varint(TEN_MB) + b"z" * TEN_MB  # field 1, a 10 MB string: an unknown field there
     identity = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
     with grpc.insecure_channel(address) as channel:
         channel.unary_unary("/ray.serve.RayServeAPIService/Healthz", **identity)(data, timeout=60)
     return {"status": "OK", "message": ""}
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7

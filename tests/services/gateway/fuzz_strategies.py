@@ -23,6 +23,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+from .big_requests import varint
+
 MODEL = "baton-tiny"
 FIXED_PROMPT = "def fibonacci(n):"
 
@@ -194,15 +196,6 @@ def _set(draw, message: Any, field: FieldDescriptor, overrides: dict, depth: int
         getattr(message, field.name).extend(draw(st.lists(strategy, max_size=3)))
     else:
         setattr(message, field.name, draw(strategy))
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def length_delimited(field_number: int, payload: bytes) -> bytes:
