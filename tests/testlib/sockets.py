@@ -32,6 +32,20 @@ def addresses_listening_on(port: int) -> set[str]:
     return {ip for ip, bound_port, _ in _listening() if bound_port == port}
 
 
+def processes_mentioning(text: str) -> set[int]:
+    """Processes whose command line holds `text` (e.g. a Ray session's folder: its GCS and
+    raylet name it; their workers do not, but are their children)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+    return found
+
+
 def listening_addresses(pids: set[int]) -> set[tuple[str, int]]:
     """(IP, port) of every listening TCP socket the processes `pids` hold."""
     inodes = set()
