@@ -9,41 +9,9 @@ from pathlib import Path
 _LISTEN = "0A"
 
 
-def descendants(pid: int) -> set[int]:
-    """`pid` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        found.add(current)
-        todo.extend(children.get(current, ()))
-    return found
-
-
 def addresses_listening_on(port: int) -> set[str]:
     """The IPs that sockets listening on `port` are bound to, whoever holds them."""
     return {ip for ip, bound_port, _ in _listening() if bound_port == port}
-
-
-def processes_mentioning(text: str) -> set[int]:
-    """Processes whose command line holds `text` (e.g. a Ray session's folder: its GCS and
-    raylet name it; their workers do not, but are their children)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.add(int(entry.name))
-            except OSError:  # gone meanwhile
-                continue
-    return found
 
 
 def listening_addresses(pids: set[int]) -> set[tuple[str, int]]:

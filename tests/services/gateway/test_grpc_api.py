@@ -14,7 +14,6 @@ from baton.services.gateway.request_limits import RequestLimits
 from baton.v1 import inference_pb2 as pb
 from testlib.baton_client import collect, greedy_request, worker_stats
 from testlib.models import tiny_model
-from testlib.sockets import descendants, listening_addresses, processes_mentioning
 
 from .beside import check_no_one_held_up, counter_value, wait_for_counter
 
@@ -332,21 +331,6 @@ def test_prometheus_metrics_are_exported(baton_app, client):
             break
         assert time.monotonic() < deadline, f"missing {missing} at {baton_app.metrics_address}"
         time.sleep(1)
-
-
-def test_local_mode_listens_on_loopback_only(baton_app, client):
-    """Every port that `baton serve`'s processes listen on (Ray's, Serve's proxy and replicas,
-    the local Redis; the KV transfer's are checked in kv_transfer/) is a loopback one."""
-    collect(client, greedy_request("hi", max_tokens=2))
-    # This deployment's processes only: its Ray (the GCS and raylets name the run folder, the
-    # workers are their children) and its Redis; other tests' processes live beside them.
-    ray_roots = processes_mentioning(str(baton_app.run_dir))
-    assert ray_roots, f"no process names {baton_app.run_dir}"
-    pids = set().union(*(descendants(pid) for pid in ray_roots)) | {baton_app.redis.pid}
-    listening = listening_addresses(pids)
-    grpc_port = int(baton_app.grpc_address.rsplit(":", 1)[1])
-    assert grpc_port in {port for _, port in listening}, "the gRPC proxy's port is not among them"
-    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, sorted(listening)
 
 
 def test_logit_bias_prompt_logprobs_and_best_of_equal_the_offline_engine(client, offline):

@@ -24,7 +24,7 @@ from openai import OpenAI
 from testlib.baton_process import BatonServe, session_pids
 from testlib.models import tiny_model
 from testlib.pki import ThrowawayPKI, make_pki
-from testlib.sockets import addresses_listening_on
+from testlib.sockets import addresses_listening_on, listening_addresses
 
 from .test_serve_command import baton, free_ports
 
@@ -44,7 +44,7 @@ def pki(workdir) -> ThrowawayPKI:
 
 
 @pytest.fixture(scope="module")
-def server(workdir, pki) -> Iterator[tuple[int, int]]:
+def serving(workdir, pki) -> Iterator[tuple[BatonServe, int, int]]:
     http_port, grpc_port, metrics_port = free_ports(3)
     flags = ["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
     flags += [
@@ -59,10 +59,15 @@ def server(workdir, pki) -> Iterator[tuple[int, int]]:
         assert f"HTTP  https://127.0.0.1:{http_port}/v1" in serve.text()
         assert "TLS   mTLS on HTTP and gRPC" in serve.text()
         assert "ACL user baton; restarted if it dies" in serve.text()
-        yield http_port, grpc_port
+        yield serve, http_port, grpc_port
     finally:
         if serve.process.poll() is None or session_pids(serve.session_id):
             serve.kill_session()
+
+
+@pytest.fixture(scope="module")
+def server(serving) -> tuple[int, int]:
+    return serving[1:]
 
 
 def client_tls(pki: ThrowawayPKI, with_cert: bool = True, ca_file: Path | None = None) -> ClientTLS:
@@ -125,6 +130,16 @@ def test_both_apis_listen_on_loopback_only(server):
     http_port, grpc_port = server
     assert addresses_listening_on(grpc_port) == {"127.0.0.1"}  # Serve alone: [::]
     assert addresses_listening_on(http_port) == {"127.0.0.1"}
+
+
+def test_every_port_of_baton_serve_is_a_loopback_one(serving):
+    """Ray's, Serve's proxy and replicas (Serve alone binds a replica's gRPC server on every
+    interface), the local Redis: every process of `baton serve`'s session. The KV-transfer
+    endpoints are checked in kv_transfer/ (this server is colocated)."""
+    serve, http_port, grpc_port = serving
+    listening = listening_addresses(set(session_pids(serve.session_id)))
+    assert {http_port, grpc_port} <= {port for _, port in listening}
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, sorted(listening)
 
 
 def test_the_readiness_probe_passes_over_mtls_and_fails_without_a_certificate(server, pki):
