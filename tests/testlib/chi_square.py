@@ -44,3 +44,12 @@ def homogeneity_p_value(counts_a: torch.Tensor, counts_b: torch.Tensor, min_expe
         return 1.0
     stat = (((a - exp_a) ** 2 / exp_a) + ((b - exp_b) ** 2 / exp_b)).sum().item()
     return chi_square_sf(stat, a.numel() - 1)
+
+
+def assert_same_token_frequencies(want, got, vocab_size: int, num_positions: int, alpha: float = 1e-4) -> None:
+    """Per output position, the tokens of two runs' outputs (RequestOutputs of the same
+    seeded requests) pass a 2 x C homogeneity test at p > alpha."""
+    for position in range(num_positions):
+        counts_want = torch.bincount(torch.tensor([o.token_ids[position] for o in want]), minlength=vocab_size)
+        counts_got = torch.bincount(torch.tensor([o.token_ids[position] for o in got]), minlength=vocab_size)
+        assert homogeneity_p_value(counts_want, counts_got) > alpha, f"position {position}"
