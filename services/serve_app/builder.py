@@ -129,9 +129,7 @@ def _engine_deployment(config: BatonConfig, role: Role, router_config, stop_opti
     deployment = serve.deployment(
         EngineWorker, name=role, health_check_period_s=HEALTH_CHECK_PERIOD_S, **options, **stop_options
     )
-    return deployment.bind(
-        role, engine_config, config.served_model_name, router_config, section.admission_limits()
-    )
+    return deployment.bind(role, engine_config, config.served_model_name, router_config, section.admission_limits())
 
 
 def _json_config(router_config) -> dict:

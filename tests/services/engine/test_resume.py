@@ -59,7 +59,9 @@ PARAMS = {
     ),
     "min_tokens": SamplingParams(temperature=0, max_tokens=24, min_tokens=20),
     "grammar": SamplingParams(
-        temperature=0, max_tokens=200, structured_output=StructuredOutputParams(StructuredOutputKind.JSON, json.dumps(SCHEMA))
+        temperature=0,
+        max_tokens=200,
+        structured_output=StructuredOutputParams(StructuredOutputKind.JSON, json.dumps(SCHEMA)),
     ),
 }
 
