@@ -36,6 +36,19 @@ frees the weights. `wake_up()` brings the KV cache back, zeroed. After level 2 t
 come back only with an update carrying every tensor (before or after `wake_up`); until
 then requests are refused with `EngineSleepingError`, as they are while asleep. Sleep
 needs an idle engine: pause with "abort" or "wait" first.
+
+A draft model (speculative.method draft_model) is not the target, and updates never touch it:
+  - sleep (either level) frees the draft's KV-cache tensors with the target's and drops
+    every request's draft state (requests aborted by a pause leave theirs until a step;
+    their K/V is about to go), so its blocks are all free; wake_up brings them back, zeroed.
+    The draft's weights stay at level 2: an update carries the target's tensors only, so
+    nothing would bring them back (a draft is small beside its target);
+  - an update keeps the draft state of running requests: their draft K/V depends on the
+    draft's weights and the tokens it holds, both unchanged, so it stays valid (only
+    acceptance changes with the target). It is never hashed into the prefix cache nor
+    announced (spec_decode/draft_blocks.py), so there is nothing to reset;
+  - `memory_bytes` counts the draft's KV cache in the KV figure, the weights figure is the
+    target's.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ class EngineCoreParts(Protocol):
 
     executor: Any  # run_on_ranks
     scheduler: Any  # preempt_running, kv.reset_prefix_cache, handover.weight_version
+    speculator: Any  # None, or a Speculator whose drafter (None: n-gram) has a draft KV cache
     outputs: Any  # take_outputs
 
     def abort_all(self) -> None: ...
@@ -192,6 +206,10 @@ class WeightUpdates:
             raise RuntimeError("sleep needs an idle engine: pause_generation('abort' or 'wait') first")
         self.reset_prefix_cache()  # the blocks' K/V is about to go
         self.core.executor.run_on_ranks(_release_kv_cache)
+        drafter = self._drafter()
+        if drafter is not None:
+            drafter.retain(set())  # no request keeps draft state that points at freed K/V
+            drafter.runner.release_kv_cache()
         if level == 2:
             self.core.executor.run_on_ranks(_release_weights)
             self.weights_released = True
@@ -200,12 +218,22 @@ class WeightUpdates:
     def wake_up(self) -> None:
         if self.sleep_level:
             self.core.executor.run_on_ranks(_restore_kv_cache)
+            drafter = self._drafter()
+            if drafter is not None:
+                drafter.runner.restore_kv_cache()
         self.sleep_level = 0
 
     def memory_bytes(self) -> tuple[int, int]:
-        """(KV cache, weights) bytes summed over the ranks."""
+        """(KV cache, weights) bytes summed over the ranks; the draft's KV cache is in the first."""
         per_rank = self.core.executor.run_on_ranks(_memory_bytes)
-        return sum(kv for kv, _ in per_rank), sum(w for _, w in per_rank)
+        drafter = self._drafter()
+        draft_kv = 0 if drafter is None else drafter.runner.kv_cache_bytes
+        return draft_kv + sum(kv for kv, _ in per_rank), sum(w for _, w in per_rank)
+
+    def _drafter(self) -> Any:
+        """The draft model's proposer, or None (no speculation, or n-gram)."""
+        speculator = self.core.speculator
+        return None if speculator is None else speculator.drafter
 
     def check_accepting(self) -> None:
         """Raises EngineSleepingError where a request could not run."""

@@ -45,6 +45,7 @@ class DraftRunner:
         self.device = device
         self.block_size = block_size
         self._runner = ModelRunner(model_dir, arch, dtype, device, block_size, kernel_impl, TPGroup())
+        self.num_blocks = num_blocks
         self._runner.initialize_kv_cache(num_blocks)
         self.model = self._runner.model
 
@@ -52,9 +53,20 @@ class DraftRunner:
     def kv_cache_bytes(self) -> int:
         return self._runner.kv_cache_bytes
 
+    def release_kv_cache(self) -> None:
+        """Frees the draft's KV-cache tensors, as the target's go on sleep."""
+        self._runner.release_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        """The draft's KV cache back (zeroed) at its size from start; a no-op when it is there."""
+        if not self._runner.kv_caches:
+            self._runner.initialize_kv_cache(self.num_blocks)
+
     @torch.inference_mode()
     def last_logits(self, sequences: list[DraftSequence]) -> torch.Tensor:
         """[len(sequences), V] float logits at each sequence's last token, in the given order."""
+        if not self._runner.kv_caches:
+            raise RuntimeError("the draft's KV cache is released (the engine sleeps): wake_up() first")
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].token_ids) > 1)  # stable
         rows = [sequences[i] for i in order]
         num_tokens = np.array([len(s.token_ids) for s in rows], dtype=np.int64)
