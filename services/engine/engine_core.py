@@ -217,6 +217,9 @@ class EngineCore:
                 "spec_num_accepted_tokens": s.num_accepted_tokens,
                 "spec_accepted_per_position": tuple(s.accepted_per_position),
             }
+            if (drafter := self.speculator.drafter) is not None:
+                spec["num_draft_kv_blocks"] = drafter.pool.num_blocks
+                spec["num_free_draft_kv_blocks"] = drafter.pool.num_free_blocks
         return EngineStats(
             **self.scheduler.stats(),
             **spec,

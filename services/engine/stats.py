@@ -34,6 +34,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    num_draft_kv_blocks: int = 0  # the draft model's own KV blocks (method draft_model; 0: none)
+    num_free_draft_kv_blocks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
