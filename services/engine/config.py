@@ -136,10 +136,12 @@ class SpeculativeConfig(BaseModel):
 
     model_config = _FROZEN
 
-    method: Literal["ngram", "draft_model"] | None = Field(
+    method: Literal["ngram", "draft_model", "medusa", "eagle"] | None = Field(
         None,
         description="ngram: prompt lookup over the request's own tokens, no extra model. draft_model: a smaller "
-        "model with the target's tokenizer drafts k tokens autoregressively. None: off",
+        "model with the target's tokenizer drafts k tokens autoregressively. medusa: Medusa heads on the "
+        "target's last hidden state draft k tokens at once. eagle: an EAGLE-1 one-layer drafter on the target's "
+        "hidden states drafts k tokens autoregressively. None: off",
     )
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens verified per request per step (k)")
     prompt_lookup_min: int = Field(2, ge=1, description="ngram: the shortest suffix n-gram to look up")
@@ -150,7 +152,15 @@ class SpeculativeConfig(BaseModel):
         "tensor-parallel size 1 in the engine's process, with its own KV cache",
     )
     draft_num_kv_blocks: int | None = Field(
-        None, ge=1, description="draft_model: blocks of the draft's own KV cache (default: as many as the target's)"
+        None,
+        ge=1,
+        description="draft_model, eagle: blocks of the drafter's own KV cache (default: as many as the target's)",
+    )
+    heads: str | None = Field(
+        None,
+        description="medusa, eagle: the folder of the heads that draft from the target's hidden states, in the "
+        "layout of their public checkpoints (docs/architecture.md, speculative decoding): Medusa heads "
+        "(config.json with medusa_num_heads, medusa_num_layers) or an EAGLE-1 drafter (a one-layer LlamaConfig)",
     )
 
     @model_validator(mode="after")
@@ -162,8 +172,14 @@ class SpeculativeConfig(BaseModel):
             )
         if self.method == "draft_model" and not self.draft_model:
             raise ValueError("draft_model: method 'draft_model' needs the draft's Hugging Face folder")
-        if self.method != "draft_model" and (self.draft_model or self.draft_num_kv_blocks):
+        if self.method != "draft_model" and self.draft_model:
             raise ValueError(f"draft_model is set but method is {self.method!r}: write method: draft_model")
+        if self.draft_num_kv_blocks and self.method not in ("draft_model", "eagle"):
+            raise ValueError(f"draft_num_kv_blocks is set but method is {self.method!r}: it sizes a drafter's KV cache")
+        if self.method in ("medusa", "eagle") and not self.heads:
+            raise ValueError(f"heads: method {self.method!r} needs the folder of its heads")
+        if self.method not in ("medusa", "eagle") and self.heads:
+            raise ValueError(f"heads is set but method is {self.method!r}: write method: medusa or eagle")
         return self
 
     @property

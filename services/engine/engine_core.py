@@ -190,6 +190,8 @@ class EngineCore:
             if not scheduler_output.is_empty:
                 self._record_step_cost(scheduler_output, time.perf_counter() - start)
             self._update(scheduler_output, runner_output)
+            if self.speculator is not None:
+                self.speculator.take_hidden_states(runner_output.hidden_states)
             if runner_output.kv_transfer:
                 self.scheduler.update_kv_transfer(runner_output.kv_transfer)
         self.groups.fork_completed_prefixes()
@@ -217,7 +219,7 @@ class EngineCore:
                 "spec_num_accepted_tokens": s.num_accepted_tokens,
                 "spec_accepted_per_position": tuple(s.accepted_per_position),
             }
-            if (drafter := self.speculator.drafter) is not None:
+            if (drafter := self.speculator.drafter) is not None and drafter.pool is not None:
                 spec["num_draft_kv_blocks"] = drafter.pool.num_blocks
                 spec["num_free_draft_kv_blocks"] = drafter.pool.num_free_blocks
         return EngineStats(

@@ -15,6 +15,12 @@ from .execution.sampler import Sampler
 from .spec_decode.draft_blocks import DraftBlockPool
 from .spec_decode.draft_proposer import DraftProposer
 from .spec_decode.draft_runner import DraftRunner
+from .spec_decode.drafter import Drafter
+from .spec_decode.eagle_model import load_eagle_drafter
+from .spec_decode.eagle_proposer import EagleProposer
+from .spec_decode.eagle_runner import EagleRunner
+from .spec_decode.medusa_heads import load_medusa_heads
+from .spec_decode.medusa_proposer import MedusaProposer
 from .spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -68,15 +74,18 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArch, num_kv_blocks: 
 def create_speculator(
     config: EngineConfig, arch: ModelArch, tokenizer: Any, max_model_len: int, num_kv_blocks: int
 ) -> Speculator | None:
-    """The speculator `engine.speculative` asks for; with method draft_model, the draft is
+    """The speculator `engine.speculative` asks for (medusa and eagle: create_head_drafter);
+    with method draft_model, the draft is
     checked against the target and loaded here, at TP 1 in this process (on the device the
     runner setting names), with its own KV cache of `draft_num_kv_blocks` blocks (default:
     the target's count, so it holds as many tokens)."""
     spec = config.speculative
     if not spec.enabled:
         return None
-    if spec.method != "draft_model":
+    if spec.method == "ngram":
         return Speculator(spec, max_model_len)
+    if spec.method in ("medusa", "eagle"):
+        return Speculator(spec, max_model_len, create_head_drafter(config, arch, max_model_len, num_kv_blocks))
     draft_arch = load_model_arch(spec.draft_model)
     check_draft_model(spec.draft_model, draft_arch, arch, tokenizer, max_model_len)
     device = resolve_device(config.runner.device)
@@ -115,4 +124,47 @@ def check_draft_model(
         raise ValueError(
             f"speculative.draft_model {draft_dir} reaches {draft_arch.max_position_embeddings} positions, "
             f"fewer than max_model_len {max_model_len}: lower max_model_len or pick another draft"
+        )
+
+
+def create_head_drafter(config: EngineConfig, arch: ModelArch, max_model_len: int, num_kv_blocks: int) -> Drafter:
+    """Medusa heads or an EAGLE drafter from `speculative.heads`, checked against the target
+    and loaded in this process in the target's dtype; they draft from the hidden states rank 0
+    hands back each step (any tensor-parallel size). The EAGLE drafter's own KV cache holds
+    `draft_num_kv_blocks` blocks (default: the target's count)."""
+    spec = config.speculative
+    device = resolve_device(config.runner.device)
+    dtype = resolve_dtype(config.model.dtype, arch, device)
+    sampler = Sampler(arch.eos_token_ids)
+    if spec.method == "medusa":
+        heads = load_medusa_heads(spec.heads, dtype, device, config.runner.kernel_backend)
+        check_head_shapes(spec.heads, heads.hidden_size, heads.vocab_size, arch)
+        if spec.num_speculative_tokens > heads.num_heads:
+            raise ValueError(
+                f"num_speculative_tokens {spec.num_speculative_tokens} exceeds the {heads.num_heads} Medusa heads "
+                f"of speculative.heads {spec.heads} (head i drafts position i + 1)"
+            )
+        return MedusaProposer(heads, sampler, device)
+    drafter = load_eagle_drafter(spec.heads, config.model.model, arch, dtype, device, config.runner.kernel_backend)
+    if drafter.arch.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative.heads {spec.heads} reaches {drafter.arch.max_position_embeddings} positions, fewer than "
+            f"max_model_len {max_model_len}"
+        )
+    num_blocks = spec.draft_num_kv_blocks or num_kv_blocks
+    runner = EagleRunner(drafter, config.cache.block_size, num_blocks, device)
+    return EagleProposer(runner, DraftBlockPool(num_blocks), sampler)
+
+
+def check_head_shapes(heads_dir: str, hidden_size: int, vocab_size: int, arch: ModelArch) -> None:
+    """Heads read the target's hidden states and propose from its vocabulary."""
+    if hidden_size != arch.hidden_size:
+        raise ValueError(
+            f"speculative.heads {heads_dir} has hidden_size {hidden_size}, the target {arch.hidden_size}: "
+            "the heads read the target's hidden states"
+        )
+    if vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"speculative.heads {heads_dir} has vocab_size {vocab_size}, the target {arch.vocab_size}: "
+            "the heads must share the target's vocabulary"
         )

@@ -89,9 +89,21 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class HiddenRows:
+    """The target's final hidden states (after its last norm, as fed to the LM head) at
+    consecutive positions of one request: what Medusa heads and an EAGLE drafter draft from."""
+
+    first_position: int
+    rows: torch.Tensor  # [num_positions, hidden_size]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     # One entry per request that reached the end of its tokens this step: the token it
     # sampled, or with drafts the accepted drafts and the one token after them.
     sampled: dict[str, list[SampledToken]]
     # KV transfers that ended since the last step (None without a connector).
     kv_transfer: KVTransferStatus | None = None
+    # Speculative methods medusa / eagle only (rank 0): per request, the hidden states at
+    # its last accepted position (medusa) or at every position this step verified (eagle).
+    hidden_states: dict[str, HiddenRows] = field(default_factory=dict)

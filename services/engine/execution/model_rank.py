@@ -31,6 +31,7 @@ from ...model.parallel import TPGroup, backend_for_device
 from ...roles import Role
 from ..config import EngineConfig
 from ..core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .hidden_rows import HIDDEN_STATES_FOR
 from .model_runner import ModelRunner
 from .rank_weights import RankWeights
 
@@ -88,6 +89,7 @@ class ModelRank:
             kernel_impl=self.config.runner.kernel_backend,
             tp=self.tp,
             connector=self.connector,
+            hidden_states=HIDDEN_STATES_FOR.get(self.config.speculative.method),
         )
         self.weights = RankWeights(
             self.runner.model, self.arch, self.runner.checkpoint_layout, self.config.runner.kernel_backend, self.rank

@@ -9,6 +9,12 @@ batch into one varlen forward pass, decodes first:
 
 Requests that ask for prompt logprobs also get logits at the prompt positions each chunk
 computes (prompt_logprobs.py); the list goes out with their first sampled token.
+
+With speculative heads (`hidden_states`), rank 0 also hands back the final hidden states
+the heads draft from, as views of the tensors the step computed anyway (no copy):
+
+    "last"  (medusa)  the row whose logits gave each request's newest token
+    "all"   (eagle)   every row of each request this step, less its rejected drafts'
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from ...model.loader import load_weights
 from ...model.parallel import TPGroup
 from ...model.registry import create_model
 from ..api.sampling_params import SamplingParams
-from ..core.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from ..core.scheduler_output import HiddenRows, ModelRunnerOutput, SampledToken, SchedulerOutput
 from ..spec_decode.verify import verify
+from .hidden_rows import HiddenStatesMode, last_rows, verified_rows
 from .prompt_logprobs import PromptSpan, prompt_span, score_prompt_spans
 from .sampler import LogitBias, Sampler, SamplingRow
 
@@ -58,6 +65,9 @@ class _BatchInputs:
     logits_indices: torch.Tensor  # last token of each request that samples
     sample_request_ids: list[str]
     prompt_spans: list[PromptSpan]  # prompt positions whose logits score prompt tokens
+    # hidden_states "all" only: each request's first row in the flat batch (its rows are
+    # consecutive: a decode with drafts is one row per token, side by side)
+    flat_starts: dict[str, int]
 
 
 class ModelRunner:
@@ -71,8 +81,10 @@ class ModelRunner:
         kernel_impl: KernelImpl,
         tp: TPGroup,
         connector: KVConnector | None = None,
+        hidden_states: HiddenStatesMode | None = None,
     ) -> None:
         self.arch = arch
+        self.hidden_states = hidden_states
         self.connector = connector
         self.dtype = dtype
         self.device = device
@@ -123,21 +135,22 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.block_copies)
         if self.connector is not None:
             self._hand_over(scheduler_output)
-        sampled = self._run(scheduler_output) if not scheduler_output.is_empty else {}
+        sampled, hidden = self._run(scheduler_output) if not scheduler_output.is_empty else ({}, {})
         status = self.connector.poll() if self.connector is not None else None
-        return ModelRunnerOutput(sampled, status)
+        return ModelRunnerOutput(sampled, status, hidden)
 
-    def _run(self, scheduler_output: SchedulerOutput) -> dict:
+    def _run(self, scheduler_output: SchedulerOutput) -> tuple[dict, dict[str, HiddenRows]]:
         batch = self._prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
         if batch.prompt_spans:
             self._score_prompt(hidden, batch.prompt_spans)
         if not batch.sample_request_ids:
-            return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+            return {}, self._hidden_rows(scheduler_output, batch, hidden, hidden, {})
+        selected = hidden[batch.logits_indices]
+        logits = self.model.compute_logits(selected)
         prompt_logprobs = self._take_prompt_logprobs(batch.sample_request_ids)
         if self.tp.rank != 0:
-            return {}  # rank 0 samples for the group
+            return {}, {}  # rank 0 samples for the group
         masks = scheduler_output.grammar_bitmasks
         rows = [self._sampling_row(self.requests[rid], masks.get(rid)) for rid in batch.sample_request_ids]
         spec = scheduler_output.spec_token_ids
@@ -149,7 +162,21 @@ class ModelRunner:
             )
         for rid, entries in prompt_logprobs.items():
             sampled[rid][0].prompt_logprobs = entries
-        return sampled
+        return sampled, self._hidden_rows(scheduler_output, batch, hidden, selected, sampled)
+
+    def _hidden_rows(
+        self, so: SchedulerOutput, batch: _BatchInputs, hidden: torch.Tensor, selected: torch.Tensor, sampled: dict
+    ) -> dict[str, HiddenRows]:
+        if self.hidden_states is None or self.tp.rank != 0:
+            return {}
+        firsts = {rid: self.requests[rid].num_computed_tokens for rid in so.num_scheduled_tokens}
+        if self.hidden_states == "last":
+            rows = last_rows(so, batch.sample_request_ids, firsts, selected, sampled)
+        else:
+            rows = verified_rows(so, batch.flat_starts, firsts, hidden, sampled)
+        if self.tp.world_size > 1:  # pickled to the engine's process: host memory, each its own storage
+            rows = {rid: HiddenRows(r.first_position, r.rows.cpu().clone()) for rid, r in rows.items()}
+        return rows
 
     def _score_prompt(self, hidden: torch.Tensor, spans: list[PromptSpan]) -> None:
         """Adds this step's prompt positions to each asking request's entries."""
@@ -341,6 +368,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             sample_request_ids=sample_ids,
             prompt_spans=prompt_spans,
+            flat_starts={rid: ends[rid][-1] + 1 - counts[rid] for rid in order} if self.hidden_states == "all" else {},
         )
 
     @staticmethod

@@ -1,9 +1,12 @@
 """Which requests speculate each step, with which drafts, and how well it pays.
 
 After a step, every running request that decodes next gets up to k drafts from the
-proposer: n-gram prompt lookup over its own tokens (`ngram`), or a draft model run k times,
-batched over those requests (`draft_model`, draft_proposer.py; its q goes with the drafts
-through `draft_probs`). The scheduler schedules them behind the request's last sampled
+proposer: n-gram prompt lookup over its own tokens (`ngram`), or a drafter with a model
+(drafter.py), batched over those requests: a draft model run k times (`draft_model`,
+draft_proposer.py), Medusa heads on the target's last hidden state (`medusa`,
+medusa_proposer.py) or an EAGLE drafter run k times on the target's hidden states (`eagle`,
+eagle_proposer.py); their q goes with the drafts through `draft_probs`. The hidden states
+reach the heads through `take_hidden_states`, after each step. The scheduler schedules them behind the request's last sampled
 token; the model runner verifies them (spec_decode/verify.py); `record` then counts what
 the target accepted.
 
@@ -32,7 +35,8 @@ import torch
 
 from ..config import SpeculativeConfig
 from ..core.request import Request, RequestStatus
-from .draft_proposer import DraftProposer
+from ..core.scheduler_output import HiddenRows
+from .drafter import Drafter
 from .ngram_proposer import NgramProposer
 
 WINDOW = 8  # drafted tokens per judgement
@@ -73,9 +77,9 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    """`drafter`: the draft model's proposer (method draft_model); None: n-gram lookup."""
+    """`drafter`: a draft model's, Medusa heads' or an EAGLE drafter's proposer; None: n-gram lookup."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: DraftProposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: Drafter | None = None) -> None:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
@@ -108,6 +112,11 @@ class Speculator:
             if request.grammar is not None and drafts:
                 drafts = request.grammar.valid_drafts(drafts)  # a draft the grammar refuses can never be accepted
             request.spec_token_ids = drafts
+
+    def take_hidden_states(self, hidden_states: dict[str, HiddenRows]) -> None:
+        """The target's hidden states from the step just run (medusa and eagle draft from them)."""
+        if self.drafter is not None and hidden_states:
+            self.drafter.take_hidden_states(hidden_states)
 
     def draft_probs(self, spec_token_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """q of the drafts a step verifies ([k, V] per request; absent: one-hot on the drafts)."""
