@@ -3,8 +3,9 @@ cluster for the module): the decode side drafts with a copy of the target after 
 handover, the prefill side has no drafter. Greedy output over gRPC and HTTP streaming
 equals the engine without speculation (the output the same deployment gives without it:
 test_disaggregated_serving.py) token for token; accepted runs arrive as deltas of several
-tokens; the decode side's baton_spec_decode_* counters move in Prometheus; target and
-draft blocks are all free afterwards."""
+tokens; the decode side's baton_spec_decode_* counters move in Prometheus; sleep and
+wake_up through the admin API leave the draft working; target and draft blocks are all
+free afterwards."""
 
 from __future__ import annotations
 
@@ -167,3 +168,21 @@ def test_spec_decode_counters_move_on_the_decode_side_only(deployment, client, e
     stats = settle()
     assert stats["prefill"].spec_accepted_per_position == () and stats["prefill"].num_draft_kv_blocks == 0
     assert spec_counters(deployment.metrics_address, "prefill") == {}
+
+
+def test_sleep_and_wake_up_through_the_admin_api_keep_the_draft_working(deployment, client, expected):
+    """Sleep and wake_up through the admin API with a draft on the decode side (that sleep
+    frees its cache is shown on the engine: tests/services/engine/weight_updates): no draft
+    block held while asleep; after wake_up greedy is unchanged and the draft, on its
+    restored (zeroed) cache, still has every draft accepted."""
+    for path, body in [("/pause_generation", {"mode": "wait"}), ("/sleep", {"level": 1}), ("/continue_generation", {})]:
+        answer = httpx.post(f"{deployment.http_address}{path}", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["success"], (path, answer.text)
+    asleep = settle()["decode"]
+    assert asleep.num_free_draft_kv_blocks == asleep.num_draft_kv_blocks == NUM_DRAFT_BLOCKS
+    assert httpx.post(f"{deployment.http_address}/wake_up", json={}, timeout=120).json()["success"]
+    responses = collect(client, greedy_request(PROMPTS[1], MAX_TOKENS))
+    assert [t for r in responses for t in r.token_ids] == expected[PROMPTS[1]][0]
+    awake = settle()["decode"]
+    drafted = awake.spec_num_draft_tokens - asleep.spec_num_draft_tokens
+    assert drafted > 0 and awake.spec_num_accepted_tokens - asleep.spec_num_accepted_tokens == drafted
