@@ -109,9 +109,11 @@ def write_eagle(
     fc_bias: bool = False,
     seed: int = 0,
     config_overrides: dict | None = None,
+    noise: float = 0.0,
 ) -> Path:
     """An EAGLE-1 drafter for the target; `agree_on_cycle`: fc passes the token's embedding
-    through and the layer adds nothing, so the target's LM head maps it to its successor."""
+    through and the layer adds nothing, so the target's LM head maps it to its successor
+    (`noise` on fc makes it miss now and then)."""
     path.mkdir(parents=True, exist_ok=True)
     config = json.loads((target_dir / "config.json").read_text())
     config.update({"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **(config_overrides or {})})
@@ -123,11 +125,11 @@ def write_eagle(
     def rand(*shape: int) -> torch.Tensor:
         return 0.1 * torch.randn(*shape, generator=generator)
 
-    fc = (
-        torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-        if agree_on_cycle
-        else rand(hidden, 2 * hidden)
-    )
+    if agree_on_cycle:
+        fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        fc += noise * torch.randn(fc.shape, generator=generator)
+    else:
+        fc = rand(hidden, 2 * hidden)
     zero_out = agree_on_cycle
     tensors = {
         "fc.weight": fc,
