@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram drafts, a draft model) against the same engine without it, one run.
+"""Speculative decoding (n-gram drafts, a draft model, Medusa heads, an EAGLE drafter) against the same engine without it, one run.
 
     python bench/speculative.py [--quick] [--k 3] [--only NAME ...]
 
@@ -35,6 +35,16 @@ With `method: draft_model`:
                  eighth of the layers): full acceptance from a cheap draft.
   draft-small    the bench model drafted by a small random model with its tokenizer (2
                  layers, hidden 128): near-zero acceptance, the cost of a useless draft.
+
+With heads on the target's hidden states (`method: medusa` / `eagle`, `speculative.heads`):
+
+  medusa-cycle   the cycle model with Medusa heads that agree with it (ResBlocks zero, head
+                 i's LM head the target's shifted i + 1 places along the cycles): full
+                 acceptance from k small matmuls on one hidden state.
+  medusa-random  the bench model with random Medusa heads: near-zero acceptance.
+  eagle-cycle    the cycle model with an EAGLE-1 drafter whose fc passes the next token's
+                 embedding through and whose layer adds nothing: full acceptance.
+  eagle-random   the bench model with a random EAGLE-1 drafter: near-zero acceptance.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ class Workload:
     params: SamplingParams
     lookup: tuple[int, int] = (2, 5)  # ngram: prompt_lookup_min, prompt_lookup_max
     draft: Path | None = None  # draft_model: the draft's folder (None: ngram)
+    heads: tuple[str, Path] | None = None  # ("medusa" | "eagle", the heads' folder)
 
 
 def cyclic_model(dst: Path, logit_scale: float, seed: int = 0) -> Path:
@@ -109,6 +120,67 @@ def shallow_copy(src: Path, dst: Path, num_layers: int) -> Path:
     return dst
 
 
+def cycle_successor(vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """succ on cyclic_model's cycles (the same permutation)."""
+    order = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+    successor = torch.empty(vocab_size, dtype=torch.long)
+    for start in range(0, vocab_size, CYCLE):
+        successor[order[start : start + CYCLE]] = torch.roll(order[start : start + CYCLE], -1)
+    return successor
+
+
+def medusa_heads(dst: Path, target: Path, num_heads: int, agree: bool) -> Path:
+    """Medusa heads in FasterDecoding's layout (medusa_lm_head.safetensors) for `target`:
+    random, or agreeing with the cycle model (head i's LM head is the target's, its rows
+    moved i + 1 places along the cycles; ResBlocks zero, so each is the identity)."""
+    if (dst / "medusa_lm_head.safetensors").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    lm_head = load_file(target / "model.safetensors")["lm_head.weight"]
+    vocab, hidden = lm_head.shape
+    successor, generator = cycle_successor(vocab), torch.Generator().manual_seed(1)
+    tensors, shift = {}, torch.arange(vocab)
+    for i in range(num_heads):
+        shift = successor[shift]
+        if agree:
+            head = torch.empty_like(lm_head)
+            head[shift] = lm_head
+        else:
+            head = 0.1 * torch.randn(vocab, hidden, generator=generator)
+        scale = 0.0 if agree else 0.05
+        tensors[f"{i}.0.linear.weight"] = scale * torch.randn(hidden, hidden, generator=generator)
+        tensors[f"{i}.0.linear.bias"] = scale * torch.randn(hidden, generator=generator)
+        tensors[f"{i}.1.weight"] = head
+    config = {"medusa_num_heads": num_heads, "medusa_num_layers": 1, "hidden_size": hidden, "vocab_size": vocab}
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(tensors, dst / "medusa_lm_head.safetensors")
+    return dst
+
+
+def eagle_drafter(dst: Path, target: Path, agree: bool) -> Path:
+    """An EAGLE-1 drafter in the public layout for `target`: random, or agreeing with the
+    cycle model (fc passes the next token's embedding through; o_proj, down_proj zero)."""
+    if (dst / "model.safetensors").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    config = {**json.loads((target / "config.json").read_text()), "num_hidden_layers": 1}
+    weights = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(2)
+    tensors = {}
+    for name, w in weights.items():
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+            kept = name.removeprefix("model.")
+            tensors[kept] = torch.zeros_like(w) if agree and name.endswith(("o_proj.weight", "down_proj.weight")) else w
+    hidden = config["hidden_size"]
+    if agree:
+        tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    else:
+        tensors["fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=generator)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
 def small_draft(dst: Path) -> Path:
     """A small random model with the bench model's tokenizer (same vocabulary, same training)."""
     from baton.services.model.tiny import make_tiny_model
@@ -142,7 +214,23 @@ def workloads(quick: bool) -> list[Workload]:
             "draft-cycle", cycle, random_prompts(num, 128, 6), greedy, draft=shallow_copy(cycle, OUT / "cycle-1", 1)
         ),
         Workload("draft-small", bench_model(), random_prompts(num, 128, 7), greedy, draft=small_draft(OUT / "small")),
-    ]
+        Workload(
+            "medusa-cycle", cycle, random_prompts(num, 128, 8), greedy,
+            heads=("medusa", medusa_heads(OUT / "medusa-cycle", cycle, 3, agree=True)),
+        ),
+        Workload(
+            "medusa-random", bench_model(), random_prompts(num, 128, 9), greedy,
+            heads=("medusa", medusa_heads(OUT / "medusa-random", bench_model(), 3, agree=False)),
+        ),
+        Workload(
+            "eagle-cycle", cycle, random_prompts(num, 128, 10), greedy,
+            heads=("eagle", eagle_drafter(OUT / "eagle-cycle", cycle, agree=True)),
+        ),
+        Workload(
+            "eagle-random", bench_model(), random_prompts(num, 128, 11), greedy,
+            heads=("eagle", eagle_drafter(OUT / "eagle-random", bench_model(), agree=False)),
+        ),
+    ]  # fmt: skip
 
 
 def tpot(outputs) -> float:
@@ -180,7 +268,9 @@ def _fields(params: SamplingParams) -> dict:
 def bench(workload: Workload, k: int, runs: int) -> None:
     common = dict(num_kv_blocks=4096, num_threads=2, max_model_len=2048)
     plain = LLM(model=str(workload.model), **common)
-    if workload.draft is None:
+    if workload.heads is not None:
+        method = dict(speculative_method=workload.heads[0], heads=str(workload.heads[1]))
+    elif workload.draft is None:
         lo, hi = workload.lookup
         method = dict(speculative_method="ngram", prompt_lookup_min=lo, prompt_lookup_max=hi)
     else:

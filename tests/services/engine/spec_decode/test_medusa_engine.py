@@ -6,6 +6,7 @@ engine's; blocks add up after every test; a bad head folder fails at start namin
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -167,3 +168,28 @@ def test_a_bad_head_folder_fails_at_start_naming_the_field(llama_dir, tmp_path, 
         kwargs = {"speculative_method": "ngram", "heads": str(folder)}
     with pytest.raises(ValueError, match=message):
         LLM(model=str(llama_dir), num_kv_blocks=64, **kwargs)
+
+
+PATTERN = r"(ab|cd){6}x[0-9]{3}(ab){4}"
+
+
+def test_structured_output_masks_every_draft_position(plain, medusa):
+    """Drafts are drawn under the grammar's mask at their position; greedy output equals the
+    plain engine's and sampled output still matches the pattern."""
+    from baton.services.engine.api.sampling_params import StructuredOutputKind, StructuredOutputParams
+
+    def constrained(**kwargs) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=60, structured_output=StructuredOutputParams(StructuredOutputKind.REGEX, PATTERN), **kwargs
+        )
+
+    before = medusa.core.speculator.stats.num_draft_tokens
+    want = plain.generate(["Pattern:", REPEATING[0]], [constrained(temperature=0), greedy(30)])
+    got = medusa.generate(["Pattern:", REPEATING[0]], [constrained(temperature=0), greedy(30)])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(PATTERN, got[0].text) and got[0].finish_reason == "stop"
+    for out in medusa.generate(["Pattern:"] * 4, [constrained(temperature=1.0, seed=s) for s in range(4)]):
+        assert re.fullmatch(PATTERN, out.text), out.text
+    assert medusa.core.speculator.stats.num_draft_tokens > before + 10
+    assert medusa.core.groups.num_constrained == 0
+    assert_blocks_all_free(medusa)
