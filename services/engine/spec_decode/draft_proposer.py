@@ -49,23 +49,10 @@ class _DraftState:
 
 class DraftProposer(Drafter):
     def __init__(self, runner: DraftRunner, pool: DraftBlockPool, sampler: Sampler) -> None:
-        self.runner = runner
-        self.pool = pool
+        super().__init__(pool, runner)
         self.sampler = sampler
         self.block_size = runner.block_size
         self._states: dict[str, _DraftState] = {}
-        self._probs: dict[str, torch.Tensor] = {}  # [k, V] q of the last drafts, random requests only
-
-    def retain(self, request_ids: set[str]) -> None:
-        """Frees the draft state and blocks of every request not in `request_ids`."""
-        for request_id in [r for r in self._states if r not in request_ids]:
-            del self._states[request_id]
-            self.pool.free(request_id)
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        """[num_drafts, V] q of the request's first drafts (None: greedy, one-hot q)."""
-        probs = self._probs.get(request_id)
-        return None if probs is None else probs[:num_drafts]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
@@ -106,7 +93,3 @@ class DraftProposer(Drafter):
         self._probs = draft_probs_of(batch)
         drafts = {d.request.request_id: d.drafts for d in batch}
         return [drafts.get(r.request_id, []) for r in requests]
-
-    def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        assert set(self.pool.request_ids()) <= set(self._states), "draft blocks held by a request without state"

@@ -3,24 +3,20 @@
 draft proposer rather than by the scheduler.
 
 One call runs a batch of sequences, each a run of new tokens at known positions with the
-blocks that hold its context, and returns the logits at each sequence's last token. Rows
-with one token go first (the attention backend's decode rows), then the longer ones:
-
-    tokens:   [ d_a | d_b | t_c t_c t_c ]     a, b: a draft fed back; c: catching up
-    slot:     block_ids[pos // B] * B + pos % B
+blocks that hold its context (draft_rows.py lays them out), and returns the logits at each
+sequence's last token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ...model.attention import AttentionMetadata
 from ...model.config import ModelArch
 from ...model.parallel import TPGroup
 from ..execution.model_runner import ModelRunner
+from .draft_rows import lay_out, to_device
 
 
 @dataclass(slots=True)
@@ -67,35 +63,12 @@ class DraftRunner:
         """[len(sequences), V] float logits at each sequence's last token, in the given order."""
         if not self._runner.kv_caches:
             raise RuntimeError("the draft's KV cache is released (the engine sleeps): wake_up() first")
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].token_ids) > 1)  # stable
-        rows = [sequences[i] for i in order]
-        num_tokens = np.array([len(s.token_ids) for s in rows], dtype=np.int64)
-        starts = np.array([s.start for s in rows], dtype=np.int64)
-        seq_lens = starts + num_tokens
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_tokens, out=query_start_loc[1:])
-        row_index = np.repeat(np.arange(len(rows)), num_tokens)
-        positions = starts[row_index] + (np.arange(int(query_start_loc[-1])) - query_start_loc[row_index])
-        max_blocks = max(len(s.block_ids) for s in rows)
-        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
-        for i, s in enumerate(rows):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-        slots = block_tables[row_index, positions // self.block_size] * self.block_size + positions % self.block_size
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            num_decodes=int((num_tokens == 1).sum()),
-            max_query_len=int(num_tokens.max()),
-            max_seq_len=int(seq_lens.max()),
+        rows = lay_out(sequences, self.block_size, self.device)
+        input_ids = [t for s in rows.in_rows(sequences) for t in s.token_ids]
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            to_device(rows.cache_index, self.device),  # the draft's cache index is the position
+            self._runner.kv_caches,
+            rows.metadata,
         )
-        input_ids = torch.tensor([t for s in rows for t in s.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, self._to_device(positions), self._runner.kv_caches, metadata)
-        logits = self.model.compute_logits(hidden[self._to_device(query_start_loc[1:] - 1)])
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        return logits[inverse.to(self.device)]
-
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+        return self.model.compute_logits(hidden[rows.last_tokens])[rows.inverse]

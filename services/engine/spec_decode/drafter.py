@@ -27,25 +27,37 @@ class NoKVCache:
 
 
 class Drafter(ABC):
-    # What sleep, wake-up and the engine's stats read: the drafter's own KV blocks (None: it
-    # has none) and what holds its KV cache (release_kv_cache, restore_kv_cache, kv_cache_bytes).
-    pool: DraftBlockPool | None
-    runner: Any
+    """Holds, per request, what the drafter keeps between steps (`_states`), its own KV blocks
+    (`pool`, None: it has none) and what holds its KV cache (`runner`: release_kv_cache,
+    restore_kv_cache, kv_cache_bytes), which sleep, wake-up and the engine's stats read."""
+
+    def __init__(self, pool: DraftBlockPool | None, runner: Any) -> None:
+        self.pool = pool
+        self.runner = runner
+        self._states: dict[str, Any] = {}
+        self._probs: dict[str, torch.Tensor] = {}  # [k, V] q of the last drafts, random requests only
 
     @abstractmethod
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
-        """Drafts for each request, at most its room ([]: none this step)."""
+        """Drafts for each request, at most its room ([]: none this step); sets `_probs`."""
 
-    @abstractmethod
     def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        """[num_drafts, V] q of the request's last drafts (None: greedy, one-hot q)."""
+        """[num_drafts, V] q of the request's first drafts (None: greedy, one-hot q)."""
+        probs = self._probs.get(request_id)
+        return None if probs is None else probs[:num_drafts]
 
-    @abstractmethod
     def retain(self, request_ids: set[str]) -> None:
-        """Forgets every request not in `request_ids` (and frees what it held)."""
+        """Forgets every request not in `request_ids`, and frees its blocks."""
+        for request_id in [r for r in self._states if r not in request_ids]:
+            del self._states[request_id]
+            if self.pool is not None:
+                self.pool.free(request_id)
 
     def take_hidden_states(self, hidden_states: dict[str, HiddenRows]) -> None:  # noqa: B027 - optional
         """The target's hidden states from the step just run (heads draft from them)."""
 
-    def check_integrity(self) -> None:  # noqa: B027 - optional
-        """Asserts the drafter's own block accounting adds up."""
+    def check_integrity(self) -> None:
+        """The drafter's own blocks add up, and only requests it knows hold any."""
+        if self.pool is not None:
+            self.pool.check_integrity()
+            assert set(self.pool.request_ids()) <= set(self._states), "drafter blocks held by a request without state"

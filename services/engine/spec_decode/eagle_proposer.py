@@ -48,13 +48,11 @@ class _EagleState:
 
 class EagleProposer(Drafter):
     def __init__(self, runner: EagleRunner, pool: DraftBlockPool, sampler: Sampler) -> None:
-        self.runner = runner
-        self.pool = pool
+        super().__init__(pool, runner)
         self.sampler = sampler
         self.device = runner.device
         self.block_size = runner.block_size
         self._states: dict[str, _EagleState] = {}
-        self._probs: dict[str, torch.Tensor] = {}
 
     def take_hidden_states(self, hidden_states: dict[str, HiddenRows]) -> None:
         for request_id, hidden in hidden_states.items():
@@ -71,15 +69,6 @@ class EagleProposer(Drafter):
             self._states[request_id] = _EagleState(
                 generator, None, hidden.first_position, hidden.first_position, rows.clone()
             )
-
-    def retain(self, request_ids: set[str]) -> None:
-        for request_id in [r for r in self._states if r not in request_ids]:
-            del self._states[request_id]
-            self.pool.free(request_id)
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        probs = self._probs.get(request_id)
-        return None if probs is None else probs[:num_drafts]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
@@ -124,7 +113,3 @@ class EagleProposer(Drafter):
         self._probs = draft_probs_of(batch)
         drafts = {d.request.request_id: d.drafts for d in batch}
         return [drafts.get(r.request_id, []) for r in requests]
-
-    def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        assert set(self.pool.request_ids()) <= set(self._states), "drafter blocks held by a request without state"

@@ -9,7 +9,7 @@ differ by base:
     position:     base  base+1  ...  p           rotary embeddings see p
     cache index:  0     1       ...  p - base    slot: block_ids[c // B] * B + c % B
 
-Rows with one token go first (the attention backend's decode rows), then the longer ones.
+draft_rows.py lays the batch out (one-token rows first).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...model.attention import AttentionMetadata
+from .draft_rows import lay_out, to_device
 from .eagle_model import EagleDrafter
 
 
@@ -62,39 +62,15 @@ class EagleRunner:
         """([n, V] logits, [n, H] g) at each sequence's last pair, in the given order."""
         if self.kv_cache.numel() == 0:
             raise RuntimeError("the EAGLE drafter's KV cache is released (the engine sleeps): wake_up() first")
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].token_ids) > 1)  # stable
-        rows = [sequences[i] for i in order]
-        num_tokens = np.array([len(s.token_ids) for s in rows], dtype=np.int64)
-        starts = np.array([s.start for s in rows], dtype=np.int64)
-        bases = np.array([s.base for s in rows], dtype=np.int64)
-        seq_lens = starts + num_tokens
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_tokens, out=query_start_loc[1:])
-        row_index = np.repeat(np.arange(len(rows)), num_tokens)
-        cache_index = starts[row_index] + (np.arange(int(query_start_loc[-1])) - query_start_loc[row_index])
-        block_tables = np.zeros((len(rows), max(len(s.block_ids) for s in rows)), dtype=np.int64)
-        for i, s in enumerate(rows):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-        slots = block_tables[row_index, cache_index // self.block_size] * self.block_size
-        slots += cache_index % self.block_size
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            num_decodes=int((num_tokens == 1).sum()),
-            max_query_len=int(num_tokens.max()),
-            max_seq_len=int(seq_lens.max()),
+        rows = lay_out(sequences, self.block_size, self.device)
+        ordered = rows.in_rows(sequences)
+        bases = np.array([s.base for s in ordered], dtype=np.int64)
+        out = self.drafter(
+            torch.tensor([t for s in ordered for t in s.token_ids], dtype=torch.long, device=self.device),
+            torch.cat([s.features.to(self.device) for s in ordered]),
+            to_device(rows.cache_index + bases[rows.row_index], self.device),
+            self.kv_cache,
+            rows.metadata,
         )
-        input_ids = torch.tensor([t for s in rows for t in s.token_ids], dtype=torch.long, device=self.device)
-        features = torch.cat([s.features.to(self.device) for s in rows])
-        positions = self._to_device(cache_index + bases[row_index])
-        out = self.drafter(input_ids, features, positions, self.kv_cache, metadata)
-        last = out[self._to_device(query_start_loc[1:] - 1)]
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        last = last[inverse.to(self.device)]
+        last = out[rows.last_tokens][rows.inverse]
         return self.drafter.compute_logits(last), last
-
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)

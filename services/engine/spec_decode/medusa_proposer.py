@@ -31,13 +31,11 @@ class _HeadState:
 
 class MedusaProposer(Drafter):
     def __init__(self, heads: MedusaHeads, sampler: Sampler, device: torch.device) -> None:
+        super().__init__(None, NoKVCache())  # no KV cache of its own
         self.heads = heads
-        self.pool = None  # no KV cache of its own
-        self.runner = NoKVCache()
         self.sampler = sampler
         self.device = device
         self._states: dict[str, _HeadState] = {}
-        self._probs: dict[str, torch.Tensor] = {}
 
     def take_hidden_states(self, hidden_states: dict[str, HiddenRows]) -> None:
         for request_id, rows in hidden_states.items():
@@ -46,14 +44,6 @@ class MedusaProposer(Drafter):
                 state.hidden = rows
             else:
                 self._states[request_id] = _HeadState(torch.Generator(device=self.device), None, rows)
-
-    def retain(self, request_ids: set[str]) -> None:
-        for request_id in [r for r in self._states if r not in request_ids]:
-            del self._states[request_id]
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        probs = self._probs.get(request_id)
-        return None if probs is None else probs[:num_drafts]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:

@@ -57,10 +57,12 @@ def write_medusa(
     seed: int = 0,
     hidden_size: int | None = None,
     vocab_size: int | None = None,
+    noise: float = 0.0,
 ) -> Path:
     """Medusa heads for the target (random ones of another hidden or vocabulary size where
-    asked); `agree_on_cycle`: head i maps a cycle target's hidden
-    state at x to succ^(i+2)(x), what the target would emit i + 1 tokens later."""
+    asked); `agree_on_cycle`: head i maps a cycle target's hidden state at x to
+    succ^(i+2)(x), what the target would emit i + 1 tokens later (`noise` on the LM heads
+    makes them miss now and then)."""
     path.mkdir(parents=True, exist_ok=True)
     target = json.loads((target_dir / "config.json").read_text())
     hidden, vocab = hidden_size or target["hidden_size"], vocab_size or target["vocab_size"]
@@ -76,6 +78,7 @@ def write_medusa(
                 shift = successor[shift]
             head = torch.empty_like(lm_head)
             head[shift] = lm_head
+            head += noise * torch.randn(head.shape, generator=generator)
         else:
             head = 0.1 * torch.randn(vocab, hidden, generator=generator)
         for j in range(num_layers):
