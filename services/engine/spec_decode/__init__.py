@@ -8,6 +8,7 @@ that keeps the target model's distribution (issue 20).
     draft_proposer.py      DraftProposer: a draft model's k autoregressive passes, drafts and q
     draft_runner.py        DraftRunner: the draft's forward pass (the target's model code, TP 1)
     draft_blocks.py        DraftBlockPool: a drafter's own KV blocks, never hashed or announced
+    draft_rows.py          lay_out: the paged attention inputs of a drafter's batch (draft model, EAGLE)
     medusa_heads.py        MedusaHeads: Medusa heads and their loader (FasterDecoding or vLLM names)
     medusa_proposer.py     MedusaProposer: k drafts at once from the target's newest hidden state
     eagle_model.py         EagleDrafter: the EAGLE-1 one-layer drafter and its loader
