@@ -109,6 +109,11 @@ class GatewayConfig(DeploymentConfig):
         ge=0,
         description="Times a request whose worker died continues on another one (0: the loss reaches the client)",
     )
+    multiplex_outputs: bool = Field(
+        True,
+        description="Each engine replica sends a step's outputs for all of this gateway's requests as one message "
+        "(one output channel per replica) rather than one per request; false: one stream per request",
+    )
 
 
 # Calls a replica takes beyond what its engine holds: they reach admission control and get its

@@ -15,6 +15,9 @@ class GenerateCall:
     prompt_token_ids: list[int]  # tokenized once, by the gateway
     params: SamplingParams  # output_kind DELTA: each streamed output carries only what is new
     cache_salt: str | None = None
+    # The caller's output channel (workers/output_channels.py): once it is open on the
+    # replica, the outputs go there instead of onto this call's own stream. None: they never do.
+    channel: str | None = None
 
 
 @dataclass(slots=True)
@@ -23,6 +26,29 @@ class DecodeCall:
 
     call: GenerateCall
     handover: Handover
+
+
+@dataclass(frozen=True, slots=True)
+class OpenChannel:
+    """Opens a gateway's output channel on one engine replica; the request routers send it to
+    the replica named (its Serve replica id), and only there."""
+
+    channel: str
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelOffer:
+    """On a call's stream: the call's channel is not open on this replica (named) yet."""
+
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class MovedToChannel:
+    """On a call's stream: every later output of the call comes on its channel, from this replica."""
+
+    replica: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from ..gateway.engine_client import (
     guarded,
     no_replicas,
     resume_on,
-    until_finished,
+    streamed,
 )
 from ..router.live_replicas import LIVE_REPLICAS
 from ..serving_errors import NoHealthyWorkersError
@@ -49,9 +49,10 @@ class DisaggregatedClient(EngineClient):
     refusals; and while decode is scaled to zero (it waits for decode's cold start).
     """
 
-    def __init__(self, prefill_handle: Any, decode_handle: Any) -> None:
+    def __init__(self, prefill_handle: Any, decode_handle: Any, multiplex: bool = True) -> None:
         self.prefill = prefill_handle
         self.decode = decode_handle
+        self.multiplex = multiplex  # decode outputs on one channel per replica (gateway/output_channels.py)
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
         if LIVE_REPLICAS.refuses("decode"):  # refused before any prefill work is spent on it
@@ -77,8 +78,8 @@ class DisaggregatedClient(EngineClient):
         trace.prefill_worker = kv.source_worker_id
         yield _unfinished(first)
         handover = Handover.decode(first.token_ids, kv)
-        response = self.decode.options(stream=True).decode.remote(DecodeCall(call, handover))
-        async with aclosing(until_finished(response, "decode")) as outputs:
+        outputs = streamed(self.decode, "decode", DecodeCall(call, handover), call, "decode", self.multiplex)
+        async with aclosing(outputs):
             async for output in outputs:
                 trace.kv_path = output.kv_path or trace.kv_path
                 trace.decode_worker = output.worker_id
@@ -88,12 +89,12 @@ class DisaggregatedClient(EngineClient):
     async def resume(
         self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
     ) -> AsyncIterator[RequestOutput]:
-        async for output in resume_on(self.decode, "decode", call, token_ids, trace):
+        async for output in resume_on(self.decode, "decode", call, token_ids, trace, self.multiplex):
             yield output
 
     async def _whole_on_decode(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
         trace.kv_path = KVPath.LOCAL
-        async for output in ColocatedClient(self.decode, "decode").stream(call, trace):
+        async for output in ColocatedClient(self.decode, "decode", self.multiplex).stream(call, trace):
             yield output
 
     async def model_info(self) -> WorkerModelInfo:

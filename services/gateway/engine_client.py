@@ -24,7 +24,8 @@ from ..engine.api.handover import Handover, KVPath
 from ..engine.api.outputs import RequestOutput
 from ..router.live_replicas import LIVE_REPLICAS
 from ..serving_errors import NoHealthyWorkersError
-from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
+from ..worker_calls import ChannelOffer, DecodeCall, GenerateCall, MovedToChannel, WorkerModelInfo
+from .output_channels import Channels
 
 T = TypeVar("T")
 LIVENESS_POLL_S = 0.05  # how often a call waiting for its first answer looks at the replica set
@@ -64,13 +65,14 @@ class EngineClient(ABC):
 
 
 class ColocatedClient(EngineClient):
-    def __init__(self, worker_handle: Any, role: str = "colocated") -> None:
+    def __init__(self, worker_handle: Any, role: str = "colocated", multiplex: bool = True) -> None:
         self.worker = worker_handle
         self.role = role  # the deployment's role (a disaggregated client runs n > 1 on "decode")
+        self.multiplex = multiplex  # outputs on one channel per replica (gateway/output_channels.py)
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
-        response = self.worker.options(stream=True).generate.remote(call)
-        async with aclosing(until_finished(response, self.role)) as outputs:
+        outputs = streamed(self.worker, "generate", call, call, self.role, self.multiplex)
+        async with aclosing(outputs):
             async for output in outputs:
                 trace.decode_worker = output.worker_id
                 if trace.kv_path is KVPath.COLOCATED:
@@ -80,7 +82,7 @@ class ColocatedClient(EngineClient):
     async def resume(
         self, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
     ) -> AsyncIterator[RequestOutput]:
-        async for output in resume_on(self.worker, self.role, call, token_ids, trace):
+        async for output in resume_on(self.worker, self.role, call, token_ids, trace, self.multiplex):
             yield output
 
     async def model_info(self) -> WorkerModelInfo:
@@ -95,31 +97,81 @@ class ColocatedClient(EngineClient):
 
 
 async def resume_on(
-    handle: Any, role: str, call: GenerateCall, token_ids: list[int], trace: PlacementTrace
+    handle: Any, role: str, call: GenerateCall, token_ids: list[int], trace: PlacementTrace, multiplex: bool = True
 ) -> AsyncIterator[RequestOutput]:
     """The rest of a migrated request, recomputed on a replica of `handle` (Handover.resume)."""
-    response = handle.options(stream=True).decode.remote(DecodeCall(call, Handover.resume(token_ids)))
-    async with aclosing(until_finished(response, role)) as outputs:
+    outputs = streamed(handle, "decode", DecodeCall(call, Handover.resume(token_ids)), call, role, multiplex)
+    async with aclosing(outputs):
         async for output in outputs:
             trace.kv_path = KVPath.MIGRATED
             trace.decode_worker = output.worker_id
             yield output
 
 
-async def until_finished(response: Any, role: str) -> AsyncIterator[RequestOutput]:
+_CHANNELS: Channels | None = None  # this process's (a gateway replica's), made in its event loop
+
+
+def channels() -> Channels:
+    global _CHANNELS
+    if _CHANNELS is None:
+        _CHANNELS = Channels()
+    return _CHANNELS
+
+
+async def streamed(
+    handle: Any, method: str, argument: Any, call: GenerateCall, role: str, multiplex: bool
+) -> AsyncIterator[RequestOutput]:
+    """The outputs of a streaming `method` call on `handle`'s deployment; with `multiplex`, they
+    move onto this gateway's channel to the replica that took the call (output_channels.py).
+    Callers iterate it under `aclosing` (leaving cancels the request downstream)."""
+    if not multiplex:
+        response = getattr(handle.options(stream=True), method).remote(argument)
+        async with aclosing(until_finished(response, role)) as outputs:
+            async for output in outputs:
+                yield output
+        return
+    hub = channels()
+    queue = hub.register(call.request_id)
+    try:
+        call.channel = hub.channel_id
+        response = getattr(handle.options(stream=True), method).remote(argument)
+        on_channel = lambda replica, call_stream: hub.follow(queue, call_stream)  # noqa: E731
+        async with aclosing(until_finished(response, role, lambda r: hub.offered(r, handle), on_channel)) as outputs:
+            async for output in outputs:
+                yield output
+    finally:
+        call.channel = None
+        hub.unregister(call.request_id)
+
+
+async def until_finished(
+    response: Any, role: str, offered: Any = None, on_channel: Any = None
+) -> AsyncIterator[RequestOutput]:
     """A Serve streaming response's outputs; leaving early cancels the request downstream.
-    The first output is `guarded`: `role` losing its last replica ends the wait.
+    The first answer is `guarded`: `role` losing its last replica ends the wait.
+
+    A ChannelOffer on the stream goes to `offered(replica)`; after MovedToChannel the outputs
+    are `on_channel(replica, rest of the stream)`'s (gateway/output_channels.py).
 
     Callers iterate it under `aclosing`, so the cancel happens when they stop, not when the
     generator is collected."""
     finished = False
-    outputs = response.__aiter__()
+    items = response.__aiter__()
     try:
-        output = await guarded(outputs.__anext__(), role)
+        item = await guarded(items.__anext__(), role)
         while True:
-            finished = output.finished
-            yield output
-            output = await outputs.__anext__()
+            if isinstance(item, ChannelOffer):
+                offered(item.replica)
+            elif isinstance(item, MovedToChannel):
+                async with aclosing(on_channel(item.replica, items)) as outputs:
+                    async for output in outputs:
+                        finished = output.finished
+                        yield output
+                return
+            else:
+                finished = item.finished
+                yield item
+            item = await items.__anext__()
     except StopAsyncIteration:
         return
     finally:

@@ -8,6 +8,7 @@ queue-length probes, rejection and backoff, retries, replica health.
 
     GenerateCall on a prefill or colocated deployment -> route_prefill (prefix, then load)
     any call on a decode deployment                  -> route_decode (load, free KV blocks)
+    OpenChannel (a gateway's output channel)         -> the replica it names, only (`pinned`)
     anything else (model_info, stats)                -> all replicas, Serve's order
 
 The placement is recorded for the replica Serve finally sends to (`on_request_routed`:
@@ -36,7 +37,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from .. import metrics
 from ..engine.core.block_hash import BlockHash
-from ..worker_calls import DecodeCall, GenerateCall
+from ..worker_calls import DecodeCall, GenerateCall, OpenChannel
 from .config import RouterConfig
 from .live_replicas import PublishesReplicaCount
 from .policy import Placement, RankedWorker
@@ -64,6 +65,8 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if (pin := pinned(candidate_replicas, pending_request)) is not None:
+            return pin
         call = _call_of(pending_request)
         if call is None or not candidate_replicas:
             return [candidate_replicas] if candidate_replicas else []
@@ -151,6 +154,8 @@ class RoundRobinRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if (pin := pinned(candidate_replicas, pending_request)) is not None:
+            return pin
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
@@ -165,6 +170,27 @@ class PowerOfTwoRequestRouter(PublishesReplicaCount, PowerOfTwoChoicesRequestRou
 
     def initialize_state(self, role: str) -> None:
         self.role = role
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if (pin := pinned(candidate_replicas, pending_request)) is not None:
+            return pin
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def pinned(
+    candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """For an OpenChannel call, the replica it names (none while that one is not a candidate:
+    the gateway's open times out); None for every other call."""
+    if pending_request is None:
+        return None
+    args: list[Any] = [*pending_request.args, *pending_request.kwargs.values()]
+    channel = next((a for a in args if isinstance(a, OpenChannel)), None)
+    if channel is None:
+        return None
+    return [[r] for r in candidate_replicas if r.replica_id.to_full_id_str() == channel.replica]
 
 
 def _call_of(pending_request: PendingRequest | None) -> GenerateCall | DecodeCall | None:

@@ -42,13 +42,14 @@ class ServeGateway(Gateway):
         limits: RequestLimits | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         cold_starts: dict[str, float] | None = None,
+        multiplex: bool = True,
     ) -> None:
         for role, timeout_s in (cold_starts or {}).items():  # roles at zero are waited for, not refused
             LIVE_REPLICAS.allow_cold_start(role, timeout_s)
         api_keys = ApiKeys.from_config(auth or AuthConfig())
         logger.info("gateway: %s", api_keys.describe())
         super().__init__(
-            make_engine_client(mode, workers, max_migrations),
+            make_engine_client(mode, workers, max_migrations, multiplex),
             tokenizer_path,
             mode,
             export_metrics=True,
@@ -60,13 +61,14 @@ class ServeGateway(Gateway):
 
 
 def make_engine_client(
-    mode: str, workers: dict[str, Any], max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    mode: str, workers: dict[str, Any], max_migrations: int = DEFAULT_MAX_MIGRATIONS, multiplex: bool = True
 ) -> EngineClient:
-    """The client for the mode, with request migration around it (gateway/migration.py)."""
+    """The client for the mode, with request migration around it (gateway/migration.py);
+    `multiplex`: outputs on one channel per engine replica (gateway/output_channels.py)."""
     if mode == "colocated":
-        inner: EngineClient = ColocatedClient(workers["colocated"])
+        inner: EngineClient = ColocatedClient(workers["colocated"], multiplex=multiplex)
     else:
-        inner = DisaggregatedClient(workers["prefill"], workers["decode"])
+        inner = DisaggregatedClient(workers["prefill"], workers["decode"], multiplex)
     return MigratingClient(inner, max_migrations, on_migration=metrics.record_migration)
 
 
@@ -95,6 +97,7 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         config.server.limits,
         config.gateway.max_migrations,
         cold_start_waits(config),
+        config.gateway.multiplex_outputs,
     )
 
 

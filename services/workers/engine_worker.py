@@ -14,6 +14,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ..autoscaling.signals import ReplicaSignals
 from ..engine.api.async_llm import AsyncLLM
@@ -30,8 +31,9 @@ from ..router.config import RouterConfig
 from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
 from ..serving_errors import quiet_rejections
-from ..worker_calls import DecodeCall, GenerateCall, WorkerModelInfo
+from ..worker_calls import ChannelOffer, DecodeCall, GenerateCall, MovedToChannel, OpenChannel, WorkerModelInfo
 from .admission import Admission, AdmissionLimits
+from .output_channels import OutputChannels
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class EngineWorker:
         )
         if router_config is not None:
             self.agent = WorkerAgent.from_config(router_config, self.info)
+        self.channels = OutputChannels(address)
         self.llm = AsyncLLM(
             engine_config,
             kv_event_publisher=self.agent.publisher if self.agent else None,
@@ -85,8 +88,24 @@ class EngineWorker:
     def worker_id(self) -> str:
         return self.info.worker_id
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; if the caller goes away, the request is aborted."""
+    async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput | ChannelOffer | MovedToChannel]:
+        """Streams the request's outputs (or moves them onto the caller's output channel,
+        workers/output_channels.py); if the caller goes away, the request is aborted."""
+        async with aclosing(self.channels.deliver(call, self._generated(call))) as items:
+            async for item in items:
+                yield item
+
+    async def open_channel(self, open_channel: OpenChannel) -> AsyncIterator[list[RequestOutput]]:
+        """A gateway's output channel on this replica (workers/output_channels.py)."""
+        async with aclosing(self.channels.serve(open_channel.channel)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def channel_counts(self) -> tuple[int, int]:
+        """(messages, outputs) sent on output channels since start: how much they coalesce."""
+        return self.channels.num_messages, self.channels.num_outputs
+
+    async def _generated(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         self._admit(call)
         self.signals.prefill_started()
         prefilling = True
@@ -132,9 +151,14 @@ class EngineWorker:
             self.admission.left(call.request_id)
         raise RuntimeError(f"prefill of {call.request_id} ended without output")
 
-    async def decode(self, decode: DecodeCall) -> AsyncIterator[RequestOutput]:
+    async def decode(self, decode: DecodeCall) -> AsyncIterator[RequestOutput | ChannelOffer | MovedToChannel]:
         """Decode role: receives the prompt's K/V from the prefill worker (or recomputes it if
-        the transfer fails) and streams the tokens after the first."""
+        the transfer fails) and streams the tokens after the first (as `generate` does)."""
+        async with aclosing(self.channels.deliver(decode.call, self._decoded(decode))) as items:
+            async for item in items:
+                yield item
+
+    async def _decoded(self, decode: DecodeCall) -> AsyncIterator[RequestOutput]:
         call = decode.call
         self._admit(call)
         try:

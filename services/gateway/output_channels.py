@@ -1,0 +1,132 @@
+"""The gateway's side of output channels (the protocol: workers/output_channels.py): one
+stream per engine replica that brings every step's outputs of this gateway's requests there,
+handed out to each request's queue.
+
+A request registers its queue before its call goes out (`Channels.register`), so no output
+that comes on the channel before the call's own `MovedToChannel` marker is dropped. A
+replica that offers the channel gets it opened, once (`offered`); the channel's end (the
+replica closed it when idle, or it failed) removes it, and the replica's next offer opens it
+again. A channel that cannot be opened within OPEN_TIMEOUT_S (the replica is gone) is
+not tried again for RETRY_S: its requests stream on their own calls meanwhile.
+
+The call's own stream stays the request's lifeline while its outputs come on the channel:
+its end or error is put in the same queue (`follow`), so a replica that dies fails the
+request exactly as without channels, and leaving cancels the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.api.outputs import RequestOutput
+from ..worker_calls import OpenChannel
+
+logger = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 10.0
+RETRY_S = 30.0
+
+
+@dataclass(slots=True)
+class _CallEnded:
+    """The call's own stream ended (error: how)."""
+
+    error: BaseException | None
+
+
+class Channels:
+    """One per gateway process: its channel id, the open channels by replica, and the queues of
+    the requests in flight."""
+
+    def __init__(self) -> None:
+        self.channel_id = f"gw-{uuid.uuid4().hex}"
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._opening: dict[str, asyncio.Task] = {}  # replica address -> its channel's reader
+        self._failed_at: dict[str, float] = {}  # replica address -> when opening it failed
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def offered(self, replica: str, handle: Any) -> None:
+        """Opens the channel to `replica` (a Serve replica id of `handle`'s deployment) unless
+        it is open, opening, or failed to open a moment ago."""
+        if replica in self._opening:
+            return
+        failed_at = self._failed_at.get(replica)
+        if failed_at is not None and time.monotonic() - failed_at < RETRY_S:
+            return
+        self._opening[replica] = asyncio.get_running_loop().create_task(self._read(replica, handle))
+
+    async def follow(self, queue: asyncio.Queue, call_stream: Any) -> AsyncIterator[RequestOutput]:
+        """The request's outputs from the channel, until the finished one; the call's own stream
+        (`call_stream`, an iterator past its MovedToChannel marker) ending in error raises it."""
+        lifeline = asyncio.ensure_future(_drain(call_stream))
+        lifeline.add_done_callback(lambda task: queue.put_nowait(_CallEnded(_error_of(task))))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, _CallEnded):
+                    if item.error is not None:
+                        raise item.error
+                    continue  # ended cleanly: its outputs are on the channel, on their way
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # a finished call's stream ends by itself; cancelling costs a round trip
+                lifeline.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._opening.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, replica: str, handle: Any) -> None:
+        response = handle.options(stream=True).open_channel.remote(OpenChannel(self.channel_id, replica))
+        batches = response.__aiter__()
+        try:
+            await asyncio.wait_for(batches.__anext__(), OPEN_TIMEOUT_S)  # [] once open
+        except (Exception, asyncio.CancelledError) as error:
+            response.cancel()
+            self._opening.pop(replica, None)
+            if not isinstance(error, asyncio.CancelledError):
+                self._failed_at[replica] = time.monotonic()
+                logger.warning("output channel to %s not opened (%s): its requests stream on their own", replica, error)
+            return
+        self._failed_at.pop(replica, None)
+        queues = self._queues
+        try:
+            async for batch in batches:
+                for output in batch:
+                    queue = queues.get(output.request_id)
+                    if queue is not None:  # None: the request left; its call was cancelled
+                        queue.put_nowait(output)
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as error:  # the replica went: its requests fail through their own calls
+            logger.info("output channel to %s ended: %s", replica, error)
+        finally:
+            self._opening.pop(replica, None)
+
+
+async def _drain(call_stream: Any) -> None:
+    async for _ in call_stream:
+        pass
+
+
+def _error_of(task: asyncio.Future) -> BaseException | None:
+    if task.cancelled():
+        return None
+    return task.exception()
