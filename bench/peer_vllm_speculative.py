@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peer_vllm import ENGINE_LIMITS, QUIET_CORES, agreement, load1, run_engine, save, wait_quiet
+from peer_vllm import ENGINE_LIMITS, OUT, QUIET_CORES, agreement, load1, run_engine, save, wait_quiet
 from speculative import Workload, workloads
 
 NAMES = ("cycle", "random", "draft-cycle")
@@ -151,7 +151,11 @@ def bench_workload(workload: Workload, k: int, runs: int, quick: bool) -> tuple[
                 result = run_one(engine, job, tag, tries=1 if quick else 3, max_wait_s=10.0 if quick else 180.0)
                 if "error" in result:
                     refused[engine, mode] = result["error"]
-                    print(f"    {engine} refused {mode}: {result['error']}", flush=True)
+                    # An engine-core process's refusal reaches here as a summary; its log has the cause.
+                    print(
+                        f"    {engine} refused {mode}: {result['error']} (log {OUT}/logs/{tag}-{engine}.log)",
+                        flush=True,
+                    )
                     continue
                 results[engine][mode].append(result)
     failures = report(workload, results, refused)
