@@ -11,7 +11,9 @@ not tried again for RETRY_S: its requests stream on their own calls meanwhile.
 
 The call's own stream stays the request's lifeline while its outputs come on the channel:
 its end or error is put in the same queue (`follow`), so a replica that dies fails the
-request exactly as without channels, and leaving cancels the call.
+request exactly as without channels, and leaving cancels the call. A request whose reader
+fell behind gets the outputs waiting in its queue as one delta (as the worker merges its
+own backlog), so the hop after the gateway carries fewer messages too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.api.outputs import RequestOutput
+from ..engine.api.outputs import RequestOutput, merge_deltas
 from ..worker_calls import OpenChannel
 
 logger = logging.getLogger(__name__)
@@ -73,15 +75,25 @@ class Channels:
         lifeline = asyncio.ensure_future(_drain(call_stream))
         lifeline.add_done_callback(lambda task: queue.put_nowait(_CallEnded(_error_of(task))))
         finished = False
+        held: BaseException | None = None  # the call's error, raised after the outputs before it
         try:
             while not finished:
+                if held is not None:
+                    raise held
                 item = await queue.get()
                 if isinstance(item, _CallEnded):
-                    if item.error is not None:
-                        raise item.error
+                    held = item.error
                     continue  # ended cleanly: its outputs are on the channel, on their way
-                finished = item.finished
-                yield item
+                backlog = [item]
+                while not queue.empty():  # a reader behind the engine takes its backlog as one
+                    more = queue.get_nowait()
+                    if isinstance(more, _CallEnded):
+                        held = more.error
+                        break
+                    backlog.append(more)
+                output = merge_deltas(backlog)
+                finished = output.finished
+                yield output
         finally:
             if not finished:  # a finished call's stream ends by itself; cancelling costs a round trip
                 lifeline.cancel()

@@ -49,12 +49,12 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._held: BaseException | None = None  # an error queued behind outputs being merged
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Hands an item over from the engine thread; False if the reader's loop is gone."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop was closed
             return False
         return True
@@ -294,6 +294,24 @@ class AsyncLLM:
         if stream is not None:
             stream.put(error)
 
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their readers: one wake-up per event loop, not one per request
+        (each wake-up is a write to the loop's self-pipe, and the loop thread it wakes takes
+        the GIL from this one while the rest are handed over)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        with self._streams_lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, output))
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # the loop was closed: nobody will read these requests
+                    for stream, _ in items:
+                        self._streams.pop(stream.request_id, None)
+                        self.core.abort_request(stream.request_id)
+
     def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
         try:
             self.core = build()
@@ -319,13 +337,8 @@ class AsyncLLM:
                     self._wakeup.wait(timeout=_POLL_TICK_S)
                     self._wakeup.clear()
                 self._stats = self.core.stats()
-                with self._streams_lock:
-                    for output in outputs:
-                        stream = self._streams.get(output.request_id)
-                        if stream is not None and not stream.put(output):
-                            # Its reader's event loop is gone: nobody will read this request.
-                            del self._streams[output.request_id]
-                            self.core.abort_request(output.request_id)
+                if outputs:
+                    self._hand_over(outputs)
         except BaseException as e:
             logger.exception("engine loop failed")
             self._dead = e
@@ -333,3 +346,8 @@ class AsyncLLM:
             with self._streams_lock:
                 for stream in self._streams.values():
                     stream.put(dead)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream._queue.put_nowait(output)
