@@ -84,6 +84,7 @@ def baton_config(path: Path, http_port: int, stream_interval: int = 1) -> Path:
     )
     engine["runner"] = {"num_threads": 2}
     config["colocated"]["ray_actor_options"] = {"num_cpus": 2}
+    config.setdefault("gateway", {})["multiplex_outputs"] = True  # output channels (bench/output_channels.py)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

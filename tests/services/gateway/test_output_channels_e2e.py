@@ -24,7 +24,11 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def deployment():
-    overrides = {"mode": "colocated", "engine": {"model": {"max_model_len": 1024}, "cache": {"num_kv_blocks": 512}}}
+    overrides = {
+        "mode": "colocated",
+        "gateway": {"multiplex_outputs": True},
+        "engine": {"model": {"max_model_len": 1024}, "cache": {"num_kv_blocks": 512}},
+    }
     with local_baton(overrides) as deployment:
         yield deployment
 
