@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from baton.services.engine import SamplingParams
 from baton.services.engine.api.handover import Handover, KVPath
@@ -15,6 +13,7 @@ from baton.services.serving_errors import ServerOverloadedError
 from baton.services.worker_calls import DecodeCall, GenerateCall
 from baton.services.workers.admission import AdmissionLimits
 from baton.services.workers.engine_worker import EngineWorker
+from testlib.worker_stats import wait_for_stats as wait_for
 
 PROMPT = list(range(100, 150))
 
@@ -40,14 +39,6 @@ def workers(llama_dir):
 def call(request_id: str, max_tokens: int = 6) -> GenerateCall:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     return GenerateCall(request_id, PROMPT, params)
-
-
-async def wait_for(worker: EngineWorker, condition, timeout_s: float = 10.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition(stats := await worker.check_integrity()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out; last stats {stats}"
-        await asyncio.sleep(0.02)
-    return stats
 
 
 async def collect(stream) -> list:

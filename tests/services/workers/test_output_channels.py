@@ -15,6 +15,7 @@ from baton.services.worker_calls import ChannelOffer, GenerateCall, MovedToChann
 from baton.services.workers import output_channels
 from baton.services.workers.engine_worker import EngineWorker
 from baton.services.workers.output_channels import ChannelClosedError
+from testlib.worker_stats import wait_for_stats as wait_for
 
 CHANNEL = "gw-test"
 PROMPT = list(range(100, 150))
@@ -32,14 +33,6 @@ def workers(llama_dir):
     yield make
     for worker in made:
         worker.shutdown()
-
-
-async def wait_for(worker: EngineWorker, condition, timeout_s: float = 10.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition(stats := await worker.check_integrity()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out; last stats {stats}"
-        await asyncio.sleep(0.02)
-    return stats
 
 
 def call(request_id: str, max_tokens: int = 12, channel: str | None = CHANNEL) -> GenerateCall:
