@@ -53,10 +53,13 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._clock = clock or _wall_clock_ms
         self._workers: dict[str, _Worker] = {}
         self._names: dict[str, str] = {}  # name -> current epoch
+        self._retired_until_ms: dict[str, int] = {}  # worker id -> when its tombstone expires
 
     # -- worker side ------------------------------------------------------------------
 
     def heartbeat(self, info: WorkerInfo, load: WorkerLoad, ttl_s: float) -> HeartbeatResult:
+        if self._retired_until_ms.get(info.worker_id, -1) > self._clock():
+            return HeartbeatResult.RETIRED
         current = self._names.get(info.name)
         if current is not None and current > info.epoch:
             return HeartbeatResult.SUPERSEDED
@@ -77,6 +80,12 @@ class InMemoryPrefixIndex(PrefixIndex):
         worker = self._workers.pop(worker_id, None)
         if worker is not None and self._names.get(worker.info.name) == worker.info.epoch:
             del self._names[worker.info.name]
+
+    def retire(self, worker_id: str, ttl_s: float) -> None:
+        self.deregister(worker_id)
+        now = self._clock()
+        self._retired_until_ms = {w: t for w, t in self._retired_until_ms.items() if t > now}
+        self._retired_until_ms[worker_id] = now + max(1, int(ttl_s * 1000))
 
     def apply_events(self, worker_id: str, events: Sequence[KVEvent]) -> ApplyResult:
         worker = self._workers.get(worker_id)

@@ -20,6 +20,8 @@
     ns:w:<id>:spec      ZSET  routers' speculative entries: checkpoint block hash -> expiry ms
     ns:w:<id>:seq       STRING next KV-event sequence number the index expects from it
     ns:w:<id>:snapshot  SET   a snapshot being uploaded, renamed onto :cached when complete
+    ns:retired:<id>     STRING a router retired the worker (its replica drains or died): its
+                               heartbeats are refused until this expires
     ns:predicted:<hex>  SET   ids of workers that may hold speculative entries for prompts
                                whose first block hash is <hex>: a query searches only their
                                :spec sets. It expires a speculative TTL after the last such
@@ -66,6 +68,9 @@ class Keyspace:
 
     def predicted(self, first_block_hash: bytes) -> str:
         return f"{self.namespace}:predicted:{first_block_hash.hex()}"
+
+    def retired(self, worker_id: str) -> str:
+        return f"{self.namespace}:retired:{worker_id}"
 
     def role(self, role: str) -> str:
         return f"{self.namespace}:role:{role}"

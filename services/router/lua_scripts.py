@@ -143,11 +143,13 @@ end
 
 # ARGV: ns, worker_id, name, epoch, info_json, roles (space-separated), load, ttl_ms, now_ms
 # Returns 1 when it (re-)registered the worker (its index is empty), 0 for a plain
-# heartbeat, -1 when a later epoch of the same name owns the registration.
+# heartbeat, -1 when a later epoch of the same name owns the registration, -2 when a router
+# retired the worker (RETIRE).
 HEARTBEAT = (
     PRELUDE
     + """
 local id, name, epoch = ARGV[2], ARGV[3], ARGV[4]
+if redis.call('EXISTS', ns .. ':retired:' .. id) == 1 then return -2 end
 local current = redis.call('HGET', key('names'), name)
 if current and current > epoch then return -1 end
 local registered = 0
@@ -171,6 +173,10 @@ return registered
 
 # ARGV: ns, worker_id
 DEREGISTER = PRELUDE + "wipe(ARGV[2])\nreturn 1\n"
+
+# ARGV: ns, worker_id, ttl_ms. A deregistration, and a tombstone that refuses the worker's
+# heartbeats until it expires.
+RETIRE = PRELUDE + "wipe(ARGV[2])\nredis.call('SET', ns .. ':retired:' .. ARGV[2], 1, 'PX', ARGV[3])\nreturn 1\n"
 
 # ARGV: ns, worker_id, then each event as three arguments: kind (S stored | R removed |
 # C cleared), seq, packed hashes. Events below the expected seq were applied already (a

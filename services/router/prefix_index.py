@@ -73,6 +73,7 @@ class ApplyResult:
 
 
 class HeartbeatResult(enum.IntEnum):
+    RETIRED = -2  # a router retired this worker (its replica is draining or gone): stop reporting
     SUPERSEDED = -1  # a later epoch of this worker's name is registered: this process is stale
     REFRESHED = 0
     REGISTERED = 1  # (re-)registered: the index holds no blocks for this worker
@@ -173,6 +174,13 @@ class PrefixIndex(ABC):
     @abstractmethod
     def deregister(self, worker_id: str) -> None:
         """Removes the worker and every entry of it (a clean shutdown)."""
+
+    @abstractmethod
+    def retire(self, worker_id: str, ttl_s: float) -> None:
+        """Removes the worker as deregister does, and for ttl_s refuses its heartbeats
+        (HeartbeatResult.RETIRED), so that a replica Serve stopped sending to (draining, or
+        dead) leaves every router's ranking at once and cannot register again while it
+        finishes its streams. Its next life registers under a new epoch, a new id."""
 
     @abstractmethod
     def apply_events(self, worker_id: str, events: Sequence[KVEvent]) -> ApplyResult:

@@ -57,6 +57,7 @@ class RedisPrefixIndex(PrefixIndex):
         register = client.register_script
         self._heartbeat = register(lua_scripts.HEARTBEAT)
         self._deregister = register(lua_scripts.DEREGISTER)
+        self._retire = register(lua_scripts.RETIRE)
         self._apply_events = register(lua_scripts.APPLY_EVENTS)
         self._commit_snapshot = register(lua_scripts.COMMIT_SNAPSHOT)
         self._collect_garbage = register(lua_scripts.COLLECT_GARBAGE)
@@ -86,6 +87,9 @@ class RedisPrefixIndex(PrefixIndex):
 
     def deregister(self, worker_id: str) -> None:
         self._deregister(args=[self.keys.namespace, worker_id])
+
+    def retire(self, worker_id: str, ttl_s: float) -> None:
+        self._retire(args=[self.keys.namespace, worker_id, max(1, int(ttl_s * 1000))])
 
     def apply_events(self, worker_id: str, events: Sequence[KVEvent]) -> ApplyResult:
         status, next_seq = self._apply_events(args=[self.keys.namespace, worker_id, *encode_events(events)])

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
@@ -60,6 +60,10 @@ class RouterCounters:
     num_workers_skipped: int = 0  # registered with another block size than this router's
     num_prompt_blocks: int = 0  # full blocks of routed prefill prompts
     num_cached_blocks: int = 0  # of which the chosen worker held (as the index saw it)
+
+
+# How long a retired worker's heartbeats stay refused: longer than any replica's drain.
+RETIRED_TTL_S = 3600.0
 
 
 class PrefixRouter:
@@ -142,6 +146,25 @@ class PrefixRouter:
 
     def worker_info(self, worker_id: str) -> WorkerInfo | None:
         return self._infos.get(worker_id)
+
+    def retire_at(self, addresses: Iterable[str]) -> list[str]:
+        """Retires (PrefixIndex.retire) the workers served at these addresses (Serve replica
+        ids that left a handle's replica set): they leave every router's ranking now, not
+        when their heartbeats lapse. Returns the retired worker ids."""
+        wanted = set(addresses)
+        if not wanted:
+            return []
+        try:
+            if not wanted <= {info.address for info in self._infos.values()}:
+                for role in ("prefill", "decode"):  # learn the addresses of every registered worker
+                    self._usable(self.index.query(role, ()))
+            retired = [w for w, info in self._infos.items() if info.address in wanted]
+            for worker_id in retired:
+                self.index.retire(worker_id, RETIRED_TTL_S)
+        except redis.RedisError as e:
+            self._on_redis_error(e)  # its heartbeat lapses instead
+            return []
+        return retired
 
     def collect_garbage(self) -> int:
         """Deletes dead workers' entries (also done every index.gc_interval_s while routing)."""

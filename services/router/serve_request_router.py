@@ -21,12 +21,18 @@ one that registered and then missed its heartbeats is fenced off (`_fence`) whil
 can take the call. A replica whose actor died leaves Serve's candidates at once (Serve's
 handle router drops it when a call fails on it), and every router here reports its replica
 set to the gateway (router/live_replicas.py).
+
+A replica that leaves Serve's set (Serve drains it on a scale-down or an upgrade, or its
+actor died) is retired in the index at once (`PrefixRouter.retire_at`): its entries go, and
+its heartbeats are refused while it finishes its streams, so no router anywhere ranks it,
+nor credits it with a prefix it is about to take away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +67,27 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         self._in_flight: dict[str, RankedWorker] = {}  # internal request id -> the worker that took it
         self._registered: set[str] = set()  # replica addresses seen in a live ranking
         self._fenced: set[str] = set()  # registered replicas whose heartbeat lapsed (logged once each)
+        self._known: set[str] = set()  # Serve's replica set as this handle last saw it
+
+    def update_replicas(self, replicas) -> None:
+        super().update_replicas(replicas)
+        current = {replica_id.to_full_id_str() for replica_id in self.curr_replicas}
+        self._retire(self._known - current)
+        self._known = current
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._known.discard(address := replica_id.to_full_id_str())
+        self._retire({address})
+
+    def _retire(self, addresses: set[str]) -> None:
+        """Off the event loop: a Redis round trip (or a timeout) must not hold up routing."""
+        if addresses:
+            threading.Thread(target=self._retire_now, args=(addresses,), name="baton-retire", daemon=True).start()
+
+    def _retire_now(self, addresses: set[str]) -> None:
+        for worker_id in self.router.retire_at(addresses):
+            logger.info("router: %s worker %s left Serve's replica set: retired", self.role, worker_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

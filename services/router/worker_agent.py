@@ -59,6 +59,7 @@ class WorkerAgent:
         self.availability = Availability(f"worker {info.worker_id}", self.config.reconnect_interval_s)
         self.counters = AgentCounters()
         self.is_superseded = False  # a later epoch of this worker registered: this process stops reporting
+        self.is_retired = False  # a router retired it (its replica drains or is gone): it stops reporting
         self._load_source: LoadSource = WorkerLoad
         self._stop = threading.Event()
         self._heartbeat_now = False
@@ -99,6 +100,7 @@ class WorkerAgent:
         return {
             "redis_available": int(self.availability.is_available),
             "superseded": int(self.is_superseded),
+            "retired": int(self.is_retired),
             "heartbeats": agent.num_heartbeats,
             "registrations": agent.num_registrations,
             "redis_errors": agent.num_redis_errors,
@@ -129,7 +131,7 @@ class WorkerAgent:
                 self.publisher.wait(timeout)  # wakes early for events and snapshots
             else:
                 self._stop.wait(timeout)  # nothing to send until the next reconnect probe
-        if self._deregister_on_stop and not self.is_superseded:
+        if self._deregister_on_stop and not (self.is_superseded or self.is_retired):
             try:
                 self.index.deregister(self.info.worker_id)
             except redis.RedisError as e:
@@ -156,6 +158,10 @@ class WorkerAgent:
         elif result is HeartbeatResult.SUPERSEDED:
             logger.error("worker %s: a later epoch of %s is registered; stopping", self.info.worker_id, self.info.name)
             self.is_superseded = True
+            self._stop.set()
+        elif result is HeartbeatResult.RETIRED:
+            logger.info("worker %s: retired by a router (draining); no longer reporting", self.info.worker_id)
+            self.is_retired = True
             self._stop.set()
 
     def _drain(self, deadline: float) -> None:

@@ -241,6 +241,23 @@ def test_deregister_removes_everything(setup):
     assert index.heartbeat(info, WorkerLoad(), TTL_S) is HeartbeatResult.REGISTERED
 
 
+def test_retire_removes_everything_and_refuses_heartbeats_until_its_tombstone_expires(setup):
+    index, _, expire = setup
+    info = registered(index, "a")
+    other = registered(index, "b")
+    index.apply_events(info.worker_id, [stored(0, HASHES[:4])])
+    index.retire(info.worker_id, TTL_S)
+    assert [v.worker_id for v in index.query("prefill", HASHES)] == [other.worker_id]
+    assert index.cached_blocks(info.worker_id) == set() and index.worker_infos([info.worker_id]) == {}
+    assert index.heartbeat(info, WorkerLoad(), TTL_S) is HeartbeatResult.RETIRED
+    assert index.apply_events(info.worker_id, [stored(1, HASHES[4:6])]).status is ApplyStatus.UNREGISTERED
+    assert [v.worker_id for v in index.query("prefill", HASHES)] == [other.worker_id]
+    next_life = make_info("a", epoch="f" * 24)  # a restarted replica: the same name, a new epoch
+    assert index.heartbeat(next_life, WorkerLoad(), TTL_S) is HeartbeatResult.REGISTERED
+    expire()
+    assert index.heartbeat(info, WorkerLoad(), TTL_S) is not HeartbeatResult.RETIRED
+
+
 def test_the_run_search_is_exact_for_prefix_closed_caches_in_logarithmic_look_ups():
     for num_blocks in [*range(0, 70), 127, 128, 129, 1000]:
         for run in {0, min(1, num_blocks), num_blocks // 3, num_blocks // 2, max(num_blocks - 1, 0), num_blocks}:

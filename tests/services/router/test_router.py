@@ -212,3 +212,20 @@ def test_bad_inputs_are_refused_before_any_redis_call(config):
     with pytest.raises(ValueError, match="at least one token"):
         router.route_prefill("r", [])
     assert router.metrics()["redis_errors"] == 0
+
+
+def test_workers_at_addresses_that_left_serve_are_retired_from_every_routers_ranking(config, workers):
+    """What a gateway's request router does when Serve's replica set loses a replica (a
+    drain or a death): the worker at that address leaves the index now, for this router and
+    for one that never saw it, and its agent stands down instead of registering again."""
+    started = warm(config, workers, "a", "b")
+    router = PrefixRouter.from_config(config)  # knows no worker yet: retire_at looks them up
+    assert router.route_prefill("r1", prompt(1)).worker_ids[0] == started["a"][0].info.worker_id
+    assert router.retire_at({"replica-a", "replica-gone"}) == [started["a"][0].info.worker_id]
+    placement = router.route_prefill("r2", prompt(2))
+    assert placement.worker_ids == [started["b"][0].info.worker_id]
+    assert placement.reason is not PlacementReason.PREFIX  # a's prefix went with it
+    other = PrefixRouter.from_config(config)
+    assert other.route_prefill("r3", prompt(3)).worker_ids == [started["b"][0].info.worker_id]
+    wait_until(lambda: started["a"][0].is_retired, what="a's agent to stand down")
+    assert router.retire_at(set()) == [] and router.retire_at({"replica-gone"}) == []

@@ -124,6 +124,22 @@ def test_an_older_epoch_stops_reporting_once_a_newer_one_registers(config, worke
     assert old.metrics()["superseded"] == 1
 
 
+def test_a_retired_worker_stops_reporting_and_stays_out(config, workers):
+    """What a router does when Serve drains the worker's replica: out of the ranking at once,
+    and its heartbeats, events and the snapshot they would ask for cannot bring it back."""
+    agent, engine = workers.start(config, "a")
+    index = make_index(config)
+    engine.prefill(PROMPT)
+    wait_until(lambda: in_sync(index, agent, engine), what="events")
+    index.retire(agent.info.worker_id, 60.0)
+    assert index.query("prefill", []) == []
+    engine.prefill(list(range(300, 340)))  # the draining replica keeps serving its streams
+    wait_until(lambda: agent.is_retired, what="the agent to stand down")
+    time.sleep(0.3)
+    assert index.query("prefill", []) == [] and index.cached_blocks(agent.info.worker_id) == set()
+    assert agent.metrics()["retired"] == 1 and agent.counters.num_registrations == 1
+
+
 def test_close_deregisters_and_a_crash_expires(config, workers):
     index = make_index(config)
     clean, _ = workers.start(config, "clean")
