@@ -103,7 +103,18 @@ class GatewayConfig(DeploymentConfig):
     ray_actor_options: ActorOptions = Field(
         default_factory=lambda: ActorOptions(num_cpus=0.25), description="Resources per replica"
     )
-    max_ongoing_requests: int = Field(1024, ge=1, description="Requests a replica handles at once")
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="Calls a replica takes at once; above server.limits.max_inflight_requests, so a generation "
+        "request over that bound is shed by the gateway (429) rather than held in Serve's proxy",
+    )
+    max_queued_requests: int = Field(
+        128,
+        ge=-1,
+        description="Calls Serve's proxy queues while every gateway replica is at max_ongoing_requests (then 429 "
+        "with Retry-After); -1: no bound",
+    )
     max_migrations: int = Field(
         DEFAULT_MAX_MIGRATIONS,
         ge=0,
@@ -116,6 +127,15 @@ class GatewayConfig(DeploymentConfig):
         "default for now: a replica drained while streams outlast its grace period is killed without deregistering",
     )
 
+    def serve_options(self) -> dict[str, Any]:
+        options = super().serve_options()
+        options["max_queued_requests"] = self.max_queued_requests
+        # Serve's own refusal of a call over the queue bound: a 429 with Retry-After, as the gateway's.
+        options["backpressure_config"] = {"status_code": 429, "retry_after_s": GATEWAY_QUEUE_RETRY_AFTER_S}
+        return options
+
+
+GATEWAY_QUEUE_RETRY_AFTER_S = 1.0  # a gateway slot frees when any of its requests ends
 
 # Calls a replica takes beyond what its engine holds: they reach admission control and get its
 # 429 (naming the bound) rather than waiting unseen in a caller's handle.
@@ -203,6 +223,12 @@ class BatonConfig(BaseModel):
                 raise ValueError(f"{role}.engine_overrides must not change block_size: prefill and decode share it")
             if engine.model.dtype != self.engine.model.dtype:
                 raise ValueError(f"{role}.engine_overrides must not change dtype: the KV handover copies raw bytes")
+        if self.server.limits.max_inflight_requests >= self.gateway.max_ongoing_requests:
+            raise ValueError(
+                f"server.limits.max_inflight_requests ({self.server.limits.max_inflight_requests}) must be below "
+                f"gateway.max_ongoing_requests ({self.gateway.max_ongoing_requests}): over it, Serve's proxy would "
+                "hold requests back unseen instead of the gateway shedding them"
+            )
         if self.mode == "disaggregated":
             tp = {role: engines[role].parallel.tensor_parallel_size for role in ("prefill", "decode")}
             if tp["prefill"] != tp["decode"]:

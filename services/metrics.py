@@ -18,16 +18,22 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
                                                     (serving_errors), e.g. waiting_requests, waiting_tokens,
                                                     queue_delay, overloaded (unnamed), queue (Serve's handle
                                                     queue), no_replica
-           baton_request_migrations_total{role,outcome}  counter  a request moved off a replica that died or
-                                                    drained, by the role it left; outcome: migrated (continues
-                                                    elsewhere), failed (no replica took it), refused (its migration
-                                                    limit was reached, or it cannot migrate)
+           baton_request_migrations_total{role,outcome}  counter  a request moved off a replica that died, by
+                                                    the role it left; outcome: migrated (continues elsewhere with the
+                                                    tokens it had), retried (lost before its first token: sent again),
+                                                    failed (its migration limit was reached), refused (it cannot
+                                                    migrate: n > 1 or beam search after tokens were streamed)
+           baton_gateway_requests_in_flight         gauge      generation requests held by a gateway replica (bound:
+                                                    server.limits.max_inflight_requests; over it: shed,
+                                                    reason gateway_inflight)
            baton_prompt_tokens_total, baton_generation_tokens_total, baton_cached_prompt_tokens_total
            baton_kv_path_total{path}                counter    disaggregated requests by how the KV got there
   router   baton_router_decisions_total{role,reason} counter   prefix | load | imbalance | fallback | no_workers
            baton_replicas_fenced_total{role}        counter    replicas taken out of placement (heartbeat lapsed,
                                                     actor gone, draining), by role
   worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
+           baton_num_waiting_prompt_tokens{role} (prompt tokens waiting for prefill: admission's token bound),
+           baton_num_admission_queued{role} (admitted requests without a first output yet: admission's queue),
            baton_num_free_kv_blocks{role}, baton_num_warm_free_kv_blocks{role} (free, holding a prefix used within
            cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
            baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
@@ -81,6 +87,13 @@ def _metrics() -> dict[str, Any]:
             "baton_request_migrations_total", "Requests moved off a replica that died or drained", ("role", "outcome")
         ),
         "fenced": Counter("baton_replicas_fenced_total", "Replicas taken out of placement", role),
+        "gateway_inflight": Gauge("baton_gateway_requests_in_flight", "Generation requests held by a gateway replica"),
+        "waiting_prompt_tokens": Gauge(
+            "baton_num_waiting_prompt_tokens", "Prompt tokens waiting for prefill in the engine", role
+        ),
+        "admission_queued": Gauge(
+            "baton_num_admission_queued", "Admitted requests that have not produced a first output", role
+        ),
         "running": Gauge("baton_num_requests_running", "Requests running in the engine", role),
         "waiting": Gauge("baton_num_requests_waiting", "Requests waiting in the engine", role),
         "kv_usage": Gauge("baton_kv_cache_usage_ratio", "Share of KV-cache blocks in use", role),
@@ -141,7 +154,7 @@ def record_request(
 
 
 CANCELLED = "cancelled"  # baton_requests_total's finish_reason for cancels and passed deadlines
-MIGRATION_OUTCOMES = frozenset({"migrated", "failed", "refused"})
+MIGRATION_OUTCOMES = frozenset({"migrated", "retried", "failed", "refused"})
 
 
 def record_error(api: str, code: str) -> None:
@@ -163,6 +176,10 @@ def record_migration(role: str, outcome: str) -> None:
     if outcome not in MIGRATION_OUTCOMES:
         raise ValueError(f"migration outcome {outcome!r} is not one of {sorted(MIGRATION_OUTCOMES)}")
     _metrics()["migrations"].inc(1, {"role": role, "outcome": outcome})
+
+
+def record_gateway_inflight(num_inflight: int) -> None:
+    _metrics()["gateway_inflight"].set(num_inflight)
 
 
 def record_fenced(role: str) -> None:
@@ -218,10 +235,14 @@ class EngineMetrics:
         self.last = _Totals()
         self.last_per_position: tuple[int, ...] = ()
 
-    def export(self, stats) -> None:
+    def export(self, stats, num_admission_queued: int | None = None) -> None:
+        """`num_admission_queued`: the replica's Admission.num_queued (workers/admission.py)."""
         m = _metrics()
         m["running"].set(stats.num_running, self.tags)
         m["waiting"].set(stats.num_waiting, self.tags)
+        m["waiting_prompt_tokens"].set(stats.num_waiting_prefill_tokens, self.tags)
+        if num_admission_queued is not None:
+            m["admission_queued"].set(num_admission_queued, self.tags)
         m["kv_usage"].set(stats.kv_cache_usage, self.tags)
         m["free_blocks"].set(stats.num_free_kv_blocks, self.tags)
         m["warm_blocks"].set(stats.num_warm_free_kv_blocks, self.tags)

@@ -10,8 +10,9 @@ class wires both onto one `GenerationService` and records their errors: a reject
 traceback nor internals (`serving_errors.status_of`). Every call is authenticated first
 (`api_keys`: the `authorization` metadata on gRPC, the header on HTTP), health checks only
 when `server.auth.protect_health` says so. Sizes are bounded before work is spent
-(`request_limits`: HTTP bodies, gRPC messages, prompt text), and tokenizing runs off the
-event loop. Overload and unavailability carry a retry delay (`retry-after` trailing metadata,
+(`request_limits`: HTTP bodies, gRPC messages, prompt text), the generation requests held
+at once are bounded (`inflight_limit`: over the bound, shed with 429 at the door), and
+tokenizing runs off the event loop. Overload and unavailability carry a retry delay (`retry-after` trailing metadata,
 the HTTP `Retry-After` header); a cancelled request is counted as `cancelled`, not an error.
 """
 
@@ -35,6 +36,7 @@ from .api_keys import ANONYMOUS, ApiKeys, Caller, grpc_authorization
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationService
 from .grpc_admin import GrpcAdmin
+from .inflight_limit import InflightLimit
 from .openai_api import OpenAIApi, build_http_app
 from .request_limits import RequestLimits
 from .weight_admin import WeightAdmin
@@ -63,14 +65,17 @@ class Gateway(GrpcAdmin):
         self.api_keys = api_keys if api_keys is not None else ApiKeys()  # no keys: open, as before keys
         on_finished = _record_request if export_metrics else None
         self.limits = limits if limits is not None else RequestLimits()
-        self.service = GenerationService(load_tokenizer(tokenizer_path), engine_client, on_finished, self.limits)
+        inflight = InflightLimit(self.limits.max_inflight_requests, export_metrics)
+        self.service = GenerationService(
+            load_tokenizer(tokenizer_path), engine_client, on_finished, self.limits, inflight
+        )
         self.openai = OpenAIApi(self.service, engine_client, lambda error: self._failure(error, "http"), self.api_keys)
         quiet_rejections()  # Serve's own traceback per rejected gRPC request, in this replica's log
 
     # -- gRPC: baton.v1.Inference -----------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
-        with self._grpc_errors(grpc_context):
+        with self._grpc_errors(grpc_context), self.service.inflight.held():
             caller = self._caller(grpc_context)
             generation = grpc_api.generation_request(self._parsed(request))
             generation.owner = caller.owner

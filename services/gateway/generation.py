@@ -32,6 +32,7 @@ from ..serving_errors import NotFoundError
 from ..worker_calls import GenerateCall, WorkerModelInfo
 from .api_keys import ANONYMOUS, Caller
 from .engine_client import EngineClient, PlacementTrace
+from .inflight_limit import InflightLimit
 from .request_limits import RequestLimits, check_text_length, num_chars
 from .structured_output import user_facing
 
@@ -92,11 +93,14 @@ class GenerationService:
         engine_client: EngineClient,
         on_finished: Callable[[str, GenerationEvent], None] | None = None,
         limits: RequestLimits | None = None,
+        inflight: InflightLimit | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engine_client = engine_client
         self.on_finished = on_finished  # metrics: (api, the request's last event)
         self.limits = limits if limits is not None else RequestLimits()
+        # Both APIs take a slot per generation request (inflight_limit.py); over the bound: shed.
+        self.inflight = inflight if inflight is not None else InflightLimit(self.limits.max_inflight_requests)
         # The Rust tokenizer releases the GIL while it works: these threads keep it off the loop.
         self._tokenizer_pool = ThreadPoolExecutor(self.limits.tokenizer_threads, thread_name_prefix="baton-tokenizer")
         self._model_info: WorkerModelInfo | None = None

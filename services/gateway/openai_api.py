@@ -27,6 +27,7 @@ from .api_keys import ApiKeys
 from .completion_choices import CompletionChoices
 from .engine_client import EngineClient
 from .generation import GenerationEvent, GenerationRequest, GenerationService, PreparedGeneration, Usage
+from .inflight_limit import InflightBound
 from .openai_auth import ApiKeyMiddleware, caller_of
 from .openai_body_limit import BodySizeLimit
 from .openai_errors import body_error, check_strings, unreadable_body
@@ -279,9 +280,11 @@ def build_http_app(api: OpenAIApi) -> FastAPI:
     # No redirect from a path with a trailing slash: a 307 without a body is no error OpenAI clients read.
     http = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton deployment", redirect_slashes=False)
     http.add_middleware(ApiKeyMiddleware, api_keys=api.api_keys, record_error=api.record_error)
-    # Added last, so it runs first: a body over the limit costs no more than its counting.
+    # Added later, so it runs earlier: a body over the limit costs no more than its counting,
+    # and a request over the in-flight bound is shed before its body is read.
     max_bytes = api.service.limits.max_request_bytes
     http.add_middleware(BodySizeLimit, max_bytes=max_bytes, record_error=api.record_error)
+    http.add_middleware(InflightBound, limit=api.service.inflight, refuse=api.error_response)
 
     @http.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -1,5 +1,8 @@
-"""What one request may weigh, checked before the gateway spends work on it
-(`server.limits`, `RequestLimits`):
+"""What one request may weigh, checked before the gateway spends work on it, and how many
+the gateway holds at once (`server.limits`, `RequestLimits`):
+
+    in flight     generation requests a gateway replica holds over max_inflight_requests: 429 /
+                  RESOURCE_EXHAUSTED with Retry-After, before the body is read (inflight_limit.py)
 
     HTTP body     a Content-Length over max_request_bytes: 413 before a byte is read; a body
                   without one (chunked) is counted as it arrives and refused at the chunk that
@@ -39,6 +42,13 @@ class RequestLimits(BaseModel):
         16,
         ge=1,
         description="A prompt over max_model_len x this many characters is refused before it is tokenized",
+    )
+    max_inflight_requests: int = Field(
+        1000,
+        ge=1,
+        description="Generation requests one gateway replica holds at once; beyond, a new one gets 429 / "
+        "RESOURCE_EXHAUSTED with Retry-After (keep it under gateway.max_ongoing_requests, so Serve's proxy never "
+        "holds one back unseen)",
     )
     tokenizer_threads: int = Field(
         4, ge=1, le=64, description="Threads that tokenize and apply chat templates, off the gateway's event loop"
