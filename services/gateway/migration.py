@@ -56,9 +56,10 @@ class MigratingClient(EngineClient):
     ) -> None:
         self.inner = inner
         self.max_migrations = max_migrations
-        # Metrics: (the lost worker's role, "migrated" | "refused" (n > 1, beam search) |
-        # "failed" (over the limit)). Lost before any token, the role is the first (prefill, or
-        # colocated); after them, the last (decode).
+        # Metrics: (the lost worker's role, "migrated" (resumed with its tokens) | "retried" (lost
+        # before any token: sent again) | "refused" (n > 1, beam search) | "failed" (over the
+        # limit)). Lost before any token, the role is the first (prefill, or colocated); after
+        # them, the last (decode).
         self.on_migration = on_migration
 
     async def stream(self, call: GenerateCall, trace: PlacementTrace) -> AsyncIterator[RequestOutput]:
@@ -90,7 +91,7 @@ class MigratingClient(EngineClient):
                     raise
                 num_migrations += 1
                 how = "resumed" if streamed else "retried"
-                self._record(lost_role, "migrated")
+                self._record(lost_role, "migrated" if streamed else "retried")
                 logger.warning(
                     "request %s lost its %s worker after %d tokens; %s elsewhere (migration %d of at most %d)",
                     call.request_id,

@@ -77,7 +77,7 @@ def test_a_call_lost_before_its_first_token_is_sent_again():
     outputs = run(MigratingClient(workers, on_migration=lambda *a: recorded.append(a)))
     assert [t for o in outputs for t in o.token_ids] == TOKENS
     assert workers.calls == [("stream", []), ("stream", [])]
-    assert recorded == [("prefill", "migrated")]
+    assert recorded == [("prefill", "retried")]
 
 
 def test_the_limit_ends_it():
