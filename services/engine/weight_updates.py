@@ -10,7 +10,16 @@ Updates (names as SGLang's): `update_weights_from_disk(path)`, `..._from_tensors
 shape (and, from a trainer, its bucket plan) before writing any: a refused update changes
 nothing, version included. A trainer lost part-way through its buckets (they are written
 as they arrive) leaves the weights released, as after `sleep(2)`: requests are refused
-until a complete update. A successful update then:
+until a complete update.
+
+Disk and tensor updates are also two calls, for callers that update many replicas at once
+(all-or-nothing: prepare on every replica, then commit on every one):
+`prepare_weights_from_disk(path)` (or `_from_tensors`) reads and checks everything on every
+rank into a staged copy, the live weights and version untouched (a folder's tensors sit in
+host memory until then); `commit_prepared_weights(version)` writes it, with nothing left to
+refuse; `discard_prepared_weights()` drops it. `update_weights_from_disk` is both in one.
+A write that fails anyway releases the weights, as a lost trainer does (rank_weights.py).
+A successful update then:
 
   - running requests are preempted: they recompute their K/V on the new weights when next
     scheduled, so K/V of old weights is never read after an update;
@@ -98,14 +107,17 @@ class WeightUpdates:
         self.sleep_level = 0  # 0: awake
         self.weights_released = False  # by sleep(2), until an update loads them
         self.stashed: list[RequestOutput] = []  # outputs taken early, for the next step to return
+        self.has_prepared = False  # every rank holds a staged update (prepare_weights_from_*)
 
     # -- updates ----------------------------------------------------------------------
 
     def update_weights_from_disk(
         self, path: str | Path, weight_version: str | None = None, reset_prefix_cache: bool = True
     ) -> str:
-        """Loads a Hugging Face folder of the same architecture and shapes; returns the new version."""
-        return self._apply(functools.partial(_from_disk, str(path)), weight_version, reset_prefix_cache)
+        """Loads a Hugging Face folder of the same architecture and shapes; returns the new
+        version. Prepare, then commit: every rank has read and checked it before any writes."""
+        self.prepare_weights_from_disk(path)
+        return self.commit_prepared_weights(weight_version, reset_prefix_cache)
 
     def update_weights_from_tensors(
         self,
@@ -114,8 +126,31 @@ class WeightUpdates:
         reset_prefix_cache: bool = True,
     ) -> str:
         """Checkpoint-named full tensors (any subset); each rank keeps its shard."""
+        self.prepare_weights_from_tensors(named_tensors)
+        return self.commit_prepared_weights(weight_version, reset_prefix_cache)
+
+    def prepare_weights_from_disk(self, path: str | Path) -> None:
+        """Reads and checks a Hugging Face folder on every rank into a staged copy (replacing
+        any staged before); the live weights are untouched. `commit_prepared_weights` applies it."""
+        self._prepare(functools.partial(_stage_from_disk, str(path)))
+
+    def prepare_weights_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """As `prepare_weights_from_disk`, for in-process tensors (staged as given, not
+        copied: leave them unchanged until the commit)."""
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        return self._apply(functools.partial(_from_tensors, named), weight_version, reset_prefix_cache)
+        self._prepare(functools.partial(_stage_from_tensors, named))
+
+    def commit_prepared_weights(self, weight_version: str | None = None, reset_prefix_cache: bool = True) -> str:
+        """Writes the prepared update on every rank; returns the new version."""
+        if not self.has_prepared:
+            raise RuntimeError("no update is prepared: call prepare_weights_from_disk first")
+        self.has_prepared = False  # the ranks drop their staged copy, written or not
+        return self._apply(_commit_prepared, weight_version, reset_prefix_cache)
+
+    def discard_prepared_weights(self) -> None:
+        """Drops a prepared update (none: nothing to do)."""
+        self.core.executor.run_on_ranks(_discard_prepared)
+        self.has_prepared = False
 
     def init_weights_update_group(
         self,
@@ -243,7 +278,8 @@ class WeightUpdates:
             )
         if self.weights_released:
             raise EngineSleepingError(
-                "the weights were released by sleep(level=2); an update_weights_from_* call loads them"
+                "the weights are released (by sleep(level=2), or by an update that failed part-way); "
+                "an update_weights_from_* call carrying every tensor loads them"
             )
 
     # -- outputs ----------------------------------------------------------------------
@@ -266,6 +302,15 @@ class WeightUpdates:
 
     # -- internals --------------------------------------------------------------------
 
+    def _prepare(self, stage: Callable[[ModelRank], None]) -> None:
+        self.has_prepared = False
+        try:
+            self.core.executor.run_on_ranks(stage)
+        except Exception:
+            self.core.executor.run_on_ranks(_discard_prepared)  # ranks that staged before one refused
+            raise
+        self.has_prepared = True
+
     def _apply(self, fn: Callable[[ModelRank], None], weight_version: str | None, reset: bool) -> str:
         self.stash_outputs()  # tokens produced so far report the version that produced them
         try:
@@ -287,12 +332,20 @@ class WeightUpdates:
 # What each rank runs (module-level functions: they travel to Ray actors by reference).
 
 
-def _from_disk(path: str, rank: ModelRank) -> None:
-    rank.weights.update_from_disk(path)
+def _stage_from_disk(path: str, rank: ModelRank) -> None:
+    rank.weights.prepare(rank.weights.stage_from_disk(path))
 
 
-def _from_tensors(named: list[tuple[str, torch.Tensor]], rank: ModelRank) -> None:
-    rank.weights.update_from_tensors(named)
+def _stage_from_tensors(named: list[tuple[str, torch.Tensor]], rank: ModelRank) -> None:
+    rank.weights.prepare(rank.weights.stage_from_tensors(named))
+
+
+def _commit_prepared(rank: ModelRank) -> None:
+    rank.weights.commit_prepared()
+
+
+def _discard_prepared(rank: ModelRank) -> None:
+    rank.weights.discard_prepared()
 
 
 def _init_group(address: str, port: int, offset: int, world_size: int, name: str, backend: str, rank: ModelRank):

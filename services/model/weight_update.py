@@ -1,6 +1,7 @@
 """Weight updates on a loaded model: check everything, then write through the loader's path.
 
     check_update(layout, arch, shapes, complete)   raises before anything is written
+    check_values(tensors)                          the same, for what a copy could not take
     writer = WeightWriter(model, names, impl)      unpacks the oneDNN-packed layers touched
     writer.write(tensors) ... writer.close()       the loader's per-tensor, per-shard path;
                                                    layers repacked once complete; tied heads
@@ -82,6 +83,16 @@ def check_update(
                 + (" ..." if len(missing) > 8 else "")
                 + " (a checkpoint folder, or an update after sleep(level=2), carries every tensor)"
             )
+
+
+def check_values(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """What a copy would fail on or cast into nonsense, refused before any write: weights
+    are floating point (an integer tensor: a corrupt header, a wrong tensor) with data."""
+    for name, tensor in tensors:
+        if not tensor.dtype.is_floating_point:
+            raise ModelLoadError(f"tensor {name!r} has dtype {tensor.dtype}, not a floating-point weight")
+        if tensor.device.type == "meta":
+            raise ModelLoadError(f"tensor {name!r} is on the meta device: it has no values to load")
 
 
 class WeightWriter:

@@ -226,6 +226,22 @@ class AsyncLLM:
     async def update_weights_from_tensors(self, *args: Any, **kwargs: Any) -> str:
         return await self.run_in_engine(lambda c: c.weights.update_weights_from_tensors(*args, **kwargs))
 
+    @functools.wraps(WeightUpdates.prepare_weights_from_disk)
+    async def prepare_weights_from_disk(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_in_engine(lambda c: c.weights.prepare_weights_from_disk(*args, **kwargs))
+
+    @functools.wraps(WeightUpdates.prepare_weights_from_tensors)
+    async def prepare_weights_from_tensors(self, *args: Any, **kwargs: Any) -> None:
+        await self.run_in_engine(lambda c: c.weights.prepare_weights_from_tensors(*args, **kwargs))
+
+    @functools.wraps(WeightUpdates.commit_prepared_weights)
+    async def commit_prepared_weights(self, *args: Any, **kwargs: Any) -> str:
+        return await self.run_in_engine(lambda c: c.weights.commit_prepared_weights(*args, **kwargs))
+
+    @functools.wraps(WeightUpdates.discard_prepared_weights)
+    async def discard_prepared_weights(self) -> None:
+        await self.run_in_engine(lambda c: c.weights.discard_prepared_weights())
+
     @functools.wraps(WeightUpdates.init_weights_update_group)
     async def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
         # The engine thread waits in the group's rendezvous; the event loop does not.

@@ -80,6 +80,22 @@ class LLM:
     def update_weights_from_tensors(self, *args: Any, **kwargs: Any) -> str:
         return self.core.weights.update_weights_from_tensors(*args, **kwargs)
 
+    @functools.wraps(WeightUpdates.prepare_weights_from_disk)
+    def prepare_weights_from_disk(self, *args: Any, **kwargs: Any) -> None:
+        self.core.weights.prepare_weights_from_disk(*args, **kwargs)
+
+    @functools.wraps(WeightUpdates.prepare_weights_from_tensors)
+    def prepare_weights_from_tensors(self, *args: Any, **kwargs: Any) -> None:
+        self.core.weights.prepare_weights_from_tensors(*args, **kwargs)
+
+    @functools.wraps(WeightUpdates.commit_prepared_weights)
+    def commit_prepared_weights(self, *args: Any, **kwargs: Any) -> str:
+        return self.core.weights.commit_prepared_weights(*args, **kwargs)
+
+    @functools.wraps(WeightUpdates.discard_prepared_weights)
+    def discard_prepared_weights(self) -> None:
+        self.core.weights.discard_prepared_weights()
+
     @functools.wraps(WeightUpdates.init_weights_update_group)
     def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
         self.core.weights.init_weights_update_group(*args, **kwargs)

@@ -4,6 +4,20 @@ Every update checks all names and full shapes against the checkpoint the rank lo
 (model/weight_update.py) before writing anything, then writes through the loader's own
 per-shard path, so each TP rank keeps only its shard, packed weights are repacked and a
 tied LM head stays tied. The engine core drives these between steps, on every rank.
+
+Disk and tensor updates come in two phases, so a caller with many replicas can make an
+update all-or-nothing (prepare everywhere, then commit everywhere):
+
+    prepare(staged)   every tensor read (a folder: all its bytes, into host memory) and
+                      checked: names, full shapes (the ones start-up sharded, so each
+                      rank's shard exists), floating-point values; live weights untouched
+    commit()          writes the staged tensors; nothing left to refuse but completeness
+                      after a sleep(2) since prepare, which is checked before any write
+    discard()         drops the staged tensors
+
+A write that still fails part-way (a caller who changed its staged tensors, an I/O error
+of the device) releases the weights, as a trainer lost mid-transfer does: half-written
+weights never serve.
 """
 
 from __future__ import annotations
@@ -21,11 +35,12 @@ from ...model.weight_update import (
     WeightWriter,
     check_same_architecture,
     check_update,
+    check_values,
     release_weights,
     restore_weights,
     weight_bytes,
 )
-from ...model.weights import LoadedWeight, shape_of
+from ...model.weights import LoadedWeight, read_all, shape_of
 from .weight_sync import WeightSyncGroup, plan_buckets, receive_buckets
 
 
@@ -41,6 +56,8 @@ class RankWeights:
         self.groups: dict[str, WeightSyncGroup] = {}
         # Parameter shapes while the weights are released (sleep level 2); None: loaded.
         self._released: dict[str, torch.Size] | None = None
+        # A prepared update's checked tensors, until commit or discard (module docstring).
+        self.prepared: list[tuple[str, torch.Tensor]] | None = None
 
     @property
     def is_released(self) -> bool:
@@ -52,22 +69,42 @@ class RankWeights:
 
     # -- updates ----------------------------------------------------------------------
 
-    def update_from_disk(self, path: str | Path) -> None:
+    def stage_from_disk(self, path: str | Path) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of a folder, read into host memory and checked; nothing written."""
         source = str(path)
         check_same_architecture(self.arch, load_model_arch(path), source)
         shapes = {name: shape_of(tensor) for name, tensor in iter_checkpoint(path)}  # headers only
         try:  # a folder is a whole checkpoint: a missing tensor is a mismatch, not a partial update
             check_update(self.layout, self.arch, shapes, complete=True)
+            staged = [(name, read_all(tensor)) for name, tensor in iter_checkpoint(path)]
+            if [name for name, _ in staged] != list(shapes):
+                raise ModelLoadError("the folder changed while it was read")
+            check_values(staged)
         except ModelLoadError as e:
             raise ModelLoadError(f"{source}: {e}") from e
-        self._write(shapes, [iter_checkpoint(path)])
+        return staged
 
-    def update_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        shapes = {name: tuple(tensor.shape) for name, tensor in named_tensors}
-        if len(shapes) != len(named_tensors):
+    def stage_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The caller's tensors, checked (not copied: they must stay as they are until written)."""
+        staged = [(name, tensor.detach()) for name, tensor in named_tensors]
+        shapes = {name: tuple(tensor.shape) for name, tensor in staged}
+        if len(shapes) != len(staged):
             raise ModelLoadError("a tensor name is given twice")
         self._check(shapes)
-        self._write(shapes, [named_tensors])
+        check_values(staged)
+        return staged
+
+    def prepare(self, staged: list[tuple[str, torch.Tensor]]) -> None:
+        self.prepared = staged
+
+    def commit_prepared(self) -> None:
+        if self.prepared is None:
+            raise RuntimeError("no update is prepared: call prepare_weights_from_disk (or _from_tensors) first")
+        staged, self.prepared = self.prepared, None
+        self._commit(staged)
+
+    def discard_prepared(self) -> None:
+        self.prepared = None
 
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -126,6 +163,15 @@ class RankWeights:
 
     def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         check_update(self.layout, self.arch, shapes, complete=self.is_released)
+
+    def _commit(self, staged: list[tuple[str, torch.Tensor]]) -> None:
+        names = [name for name, _ in staged]
+        self._check({name: tuple(tensor.shape) for name, tensor in staged})  # sleep(2) since prepare?
+        try:
+            self._write(names, [staged])
+        except Exception:
+            self.release()  # part-written: never serve it (module docstring)
+            raise
 
     def _write(self, names: Iterable[str], batches: Iterable[Iterable[tuple[str, LoadedWeight]]]) -> None:
         if self._released is not None:
