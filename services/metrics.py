@@ -29,8 +29,8 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
            baton_prompt_tokens_total, baton_generation_tokens_total, baton_cached_prompt_tokens_total
            baton_kv_path_total{path}                counter    disaggregated requests by how the KV got there
   router   baton_router_decisions_total{role,reason} counter   prefix | load | imbalance | fallback | no_workers
-           baton_replicas_fenced_total{role}        counter    replicas taken out of placement (heartbeat lapsed,
-                                                    actor gone, draining), by role
+           baton_replicas_fenced_total{role}        counter    replicas taken out of placement by a gateway's
+                                                    request router (heartbeat lapsed; actor gone), by role
   worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
            baton_num_waiting_prompt_tokens{role} (prompt tokens waiting for prefill: admission's token bound),
            baton_num_admission_queued{role} (admitted requests without a first output yet: admission's queue),
@@ -183,7 +183,7 @@ def record_gateway_inflight(num_inflight: int) -> None:
 
 
 def record_fenced(role: str) -> None:
-    """A `role` replica taken out of placement (heartbeat lapsed, actor gone, draining)."""
+    """A `role` replica taken out of placement (heartbeat lapsed, or its actor gone)."""
     _metrics()["fenced"].inc(1, {"role": role})
 
 
