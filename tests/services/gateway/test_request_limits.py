@@ -7,10 +7,13 @@ client, gRPC through an in-process server registered as Serve's proxy registers 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from baton.services.engine.errors import InvalidRequestError
 from baton.services.gateway.openai_api import build_http_app
@@ -150,7 +153,69 @@ async def test_a_slow_tokenization_does_not_block_small_requests(fake_gateway):
     assert max(during) < max(max(baseline) + 0.1, big_s / 4)
 
 
+async def test_a_slow_chat_template_over_http_does_not_block_small_requests(fake_gateway):
+    """The same through HTTP chat on a real socket (uvicorn, as Serve's proxy runs the app):
+    a long conversation, templated and tokenized on the pool, leaves small chat requests
+    sent meanwhile about as fast as alone."""
+    gateway, _ = fake_gateway(model_info=VERY_LONG_CONTEXT)
+    long_text = "the quick brown fox jumps over the lazy dog. " * 20_000  # 900k characters
+    long_chat = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 2}
+    with http_serving(build_http_app(gateway.openai)) as address:
+        baseline = await asyncio.to_thread(_small_chat_latencies, address, 30)
+        big = asyncio.create_task(asyncio.to_thread(_post_once, address, long_chat))
+        await asyncio.sleep(0.05)  # the long one is in the pool
+        during = await asyncio.to_thread(_small_chat_latencies, address, 0, big)
+        big_s, status = await big
+    assert status == 200 and len(during) >= 5, (status, len(during))
+    _report("slow tokenization (HTTP chat: template + tokenizer, 900k characters)", baseline, during, big_s)
+    assert big_s > 0.2  # the long one is slow enough to hold the loop if it ran there
+    assert statistics.median(during) - statistics.median(baseline) < 0.03
+    assert max(during) < max(max(baseline) + 0.1, big_s / 4)
+
+
 # -- helpers --------------------------------------------------------------------------------
+
+VERY_LONG_CONTEXT = WorkerModelInfo("tiny", 1_000_000, 16, 1, 1024, "colocated", "w@0")
+
+
+@contextlib.contextmanager
+def http_serving(app):
+    """`app` on uvicorn on a free loopback port, in a thread of its own; yields its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _post_once(address: str, body: dict) -> tuple[float, int]:
+    start = time.monotonic()
+    status = httpx.post(f"{address}/v1/chat/completions", json=body, timeout=60).status_code
+    return time.monotonic() - start, status
+
+
+def _small_chat_latencies(address: str, count: int, until: asyncio.Future | None = None) -> list[float]:
+    """Latencies of small chat requests: `count` of them, or as many as fit before `until` is done."""
+    latencies = []
+    small = {"messages": [{"role": "user", "content": "a small request"}], "max_tokens": 2}
+    with httpx.Client(base_url=address, timeout=10) as http:
+        assert http.post("/v1/chat/completions", json=small).status_code == 200  # warm up
+        while (len(latencies) < count) if until is None else not until.done():
+            start = time.monotonic()
+            assert http.post("/v1/chat/completions", json=small).status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.005)
+    return latencies
 
 
 def serving(servicer):
