@@ -153,27 +153,47 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream(deployment, client, 
 
 
 def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client, offline):
+    """The victim holds requests when it dies (prefilling or queued); each is sent again to the
+    other prefill replica (counted as outcome=retried) or, handed over already, recomputed on
+    the decode side (kv_path recomputed)."""
+    import re
+
+    import httpx
     from ray import serve
+
+    def num_retried() -> float:
+        text = httpx.get(deployment.metrics_address, timeout=10).text
+        series = re.findall(r"^ray_baton_request_migrations_total\{(.*)\} ([0-9.e+-]+)$", text, re.MULTILINE)
+        return sum(float(v) for labels, v in series if 'role="prefill"' in labels and 'outcome="retried"' in labels)
 
     wait_for_replicas("prefill", 2)
     handle = serve.get_deployment_handle("prefill", app_name="baton")
+    retried_before = num_retried()
     results: dict[str, list[int]] = {}
+    kv_paths: dict[str, str] = {}
     errors: list[BaseException] = []
 
     def run(prompt: str) -> None:
         try:
-            results[prompt] = [
-                t for r in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120) for t in r.token_ids
-            ]
+            tokens = []
+            for response in client.generate(greedy_request(prompt, MAX_TOKENS), timeout=120):
+                tokens += response.token_ids
+                kv_paths[prompt] = response.timings.kv_path or kv_paths.get(prompt, "")
+            results[prompt] = tokens
         except BaseException as error:  # noqa: BLE001 - reported by the test
             errors.append(error)
 
     threads = [threading.Thread(target=run, args=(p,)) for p in LONG_PROMPTS]
     for thread in threads:
         thread.start()
-    time.sleep(0.3)  # their prompts are being prefilled (14 chunks each), some handed over
-    reports = handle.broadcast("integrity_report").results()
-    _, victim, _ = max(reports, key=lambda report: report[2].num_running + report[2].num_waiting)
+    deadline = time.monotonic() + 30
+    while True:  # until a prefill replica holds some of them (prefilling: 14 chunks each, or queued)
+        reports = handle.broadcast("integrity_report").results()
+        _, victim, held = max(reports, key=lambda report: report[2].num_running + report[2].num_waiting)
+        if held.num_running + held.num_waiting >= 2:
+            break
+        assert time.monotonic() < deadline, reports
+        time.sleep(0.05)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     for thread in threads:
@@ -181,10 +201,17 @@ def test_a_prefill_replica_killed_under_load_loses_no_request(deployment, client
     done_after_s = time.monotonic() - killed_at
     assert not errors, errors
     assert results == {p: offline[p] for p in LONG_PROMPTS}
+    recomputed = sum(path == "recomputed" for path in kv_paths.values())
+    deadline = time.monotonic() + 40  # Ray exports the gateway's counters every few seconds
+    while (retried := num_retried() - retried_before) + recomputed == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
     replaced_after_s = wait_for_replicas("prefill", 2)
     print(
-        f"prefill kill: all 8 done {done_after_s:.2f}s after the kill; replica replaced after {replaced_after_s:.1f}s"
+        f"prefill kill: the victim held {held.num_running} running + {held.num_waiting} waiting; {retried:g} sent "
+        f"again, {recomputed} recomputed on decode; all 8 done {done_after_s:.2f}s after the kill; replica replaced "
+        f"after {replaced_after_s:.1f}s"
     )
+    assert retried + recomputed >= 1, (retried, kv_paths)  # what the victim held went elsewhere
     settle("prefill")
     settle("decode")
 
