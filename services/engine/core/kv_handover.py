@@ -12,6 +12,9 @@ prefix hit), then waits while the runners receive into them:
     admit -> start_recv()         WAITING_FOR_REMOTE_KV, a KVRecvTask for the runners
     received -> running, the prompt counted as computed (and its full blocks cached)
     failed   -> running, recomputing the prompt locally (from the local hit onwards)
+    received, but the weights changed since start_recv -> running, recomputing the whole
+             prompt (the K/V and the local hit are both of the old weights; counted as a
+             version mismatch, like K/V of other weights refused at admission)
 
 A request aborted while its blocks are being written stays parked until the runners report
 the receive over, so those blocks are never handed to anyone else mid-write.
@@ -40,6 +43,9 @@ class KVHandover:
         self.lease_s = lease_s
         self.leases: dict[str, _Lease] = {}
         self.receiving: dict[str, Request] = {}
+        # The weight version each receive's K/V was computed under (the prefill side's, or
+        # this engine's at start_recv when the prefill side names none).
+        self.recv_versions: dict[str, str] = {}
         self.parked: dict[str, Request] = {}  # aborted mid-receive: blocks freed once it ends
         # Reported to the runners with the next scheduler output.
         self.new_leases: dict[str, tuple[int, ...]] = {}
@@ -115,6 +121,7 @@ class KVHandover:
         self.new_recvs.append(KVRecvTask(request.request_id, params, tuple(params.block_ids[first:end]), tuple(dst)))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.receiving[request.request_id] = request
+        self.recv_versions[request.request_id] = params.weight_version or self.weight_version
 
     def park(self, request: Request) -> None:
         """An aborted request whose blocks are still being written."""
@@ -129,6 +136,7 @@ class KVHandover:
             self.release(transfer_id)
         ready = []
         for request_id in [*status.finished_recving, *status.failed_recving]:
+            version = self.recv_versions.pop(request_id, None)
             parked = self.parked.pop(request_id, None)
             if parked is not None:
                 self.kv.free(parked)
@@ -136,7 +144,11 @@ class KVHandover:
             request = self.receiving.pop(request_id, None)
             if request is None:
                 continue
-            if request_id in status.finished_recving:
+            if version != self.weight_version:  # an update landed during the receive
+                self.num_version_mismatches += 1
+                request.kv_path = KVPath.RECOMPUTED
+                request.num_computed_tokens = 0
+            elif request_id in status.finished_recving:
                 self.num_recv_ok += 1
                 request.kv_path = KVPath.TRANSFERRED
                 request.num_computed_tokens = request.remote_kv.num_tokens

@@ -273,18 +273,41 @@ def test_kv_from_other_weights_is_recomputed_not_read(engine):
     out = decode(d, p, "other-weights", first)
     assert out.kv_path == "recomputed" and out.weight_version == "1"
     assert d.stats().kv_version_mismatches == 1 and d.stats().kv_recv_ok == 0
-    reference = LLM(model=str(tiny_model("llama", seed=1)), num_kv_blocks=64)
-    resumed = reference.core.prepare(
-        "ref",
-        PROMPT,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-        handover=Handover.resume(first.token_ids),
-    )
-    reference.core.submit(resumed)
-    rest = run([reference.core], lambda f: "ref" in f)["ref"]
-    assert out.token_ids == rest.token_ids  # the new weights' continuation of prompt + first token
+    assert out.token_ids == continuation(tiny_model("llama", seed=1), first.token_ids)
     p.weights.update_weights_from_disk(tiny_model("llama", seed=1))  # both on "1": transferred again
     first = prefill(p, "same-weights")
     assert decode(d, p, "same-weights", first).kv_path == "transferred"
     p.scheduler.handover.expire(float("inf"))  # the lease the first decode never claimed
+    settle(d, p)
+
+
+def continuation(model_dir, first_token_ids: list[int]) -> list[int]:
+    """What one engine on `model_dir` generates after PROMPT + the prefill's first token."""
+    reference = LLM(model=str(model_dir), num_kv_blocks=64)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        reference.core.submit(reference.core.prepare("ref", PROMPT, params, handover=Handover.resume(first_token_ids)))
+        return run([reference.core], lambda f: "ref" in f)["ref"].token_ids
+    finally:
+        reference.shutdown()
+
+
+def test_kv_received_across_an_update_is_recomputed_not_read(engine):
+    """The decode engine is updated while it receives (the prefill side answers late): the
+    K/V arrives intact, but of the old weights, so the prompt is recomputed on the new ones."""
+    from testlib.models import tiny_model
+
+    p, d = engine("prefill"), engine("decode")
+    p.executor.set_kv_faults(FaultInjection(delay_s=0.5))
+    first = prefill(p, "across")
+    assert first.kv_transfer_params.weight_version == "0"
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    d.submit(d.prepare("across", PROMPT, params, handover=Handover.decode(first.token_ids, first.kv_transfer_params)))
+    d.step()
+    assert d.stats().num_kv_receiving == 1  # the receive is under way
+    d.weights.update_weights_from_disk(tiny_model("llama", seed=1))
+    out = run([d, p], lambda f: "across" in f)["across"]
+    assert out.kv_path == "recomputed" and out.weight_version == "1"
+    assert d.stats().kv_version_mismatches == 1 and d.stats().kv_recv_ok == 0
+    assert out.token_ids == continuation(tiny_model("llama", seed=1), first.token_ids)
     settle(d, p)
