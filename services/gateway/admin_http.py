@@ -1,6 +1,8 @@
 """The admin routes of the HTTP API (names as SGLang's), for RL rollouts:
 
-    POST /update_weights_from_disk   {"model_path": DIR, "weight_version": "v7"?}
+    POST /update_weights_from_disk   {"model_path": DIR, "weight_version": "v7"?, "pause_mode"?}:
+                                      all or nothing (weight_admin.py): 400 naming each replica
+                                      that refused the folder, 500 naming each that failed
     GET  /weight_update_ranks        {"num_engine_ranks": N, ...}: a trainer's group has N + 1
     POST /init_weights_update_group  {"master_address", "master_port", "world_size", "group_name"?,
                                       "backend"?, "rank_offset"?}: every replica joins (the
@@ -33,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..serving_errors import PermissionDeniedError
 from .api_keys import ApiKeys
 from .openai_auth import caller_of
-from .weight_admin import DEFAULT_GROUP, WeightAdmin
+from .weight_admin import DEFAULT_GROUP, DEFAULT_UPDATE_PAUSE, WeightAdmin
 
 
 class _Body(BaseModel):
@@ -43,6 +45,7 @@ class _Body(BaseModel):
 class UpdateFromDisk(_Body):
     model_path: str = Field(min_length=1, description="A Hugging Face folder every replica can read")
     weight_version: str | None = Field(None, description="The new version's name (default: a counter)")
+    pause_mode: str = Field(DEFAULT_UPDATE_PAUSE, description="The fleet's pause across the update: abort, wait, keep")
 
 
 class InitGroup(_Body):
@@ -88,7 +91,7 @@ def add_admin_routes(
     @http.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDisk, request: Request):
         async def call():
-            result = await admin.update_weights_from_disk(body.model_path, body.weight_version)
+            result = await admin.update_weights_from_disk(body.model_path, body.weight_version, body.pause_mode)
             answer = {
                 "success": result.ok,
                 "weight_version": result.weight_version,

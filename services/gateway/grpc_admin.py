@@ -14,7 +14,7 @@ from baton.v1 import inference_pb2 as pb
 
 from ..serving_errors import NoHealthyWorkersError, PermissionDeniedError
 from .api_keys import ApiKeys
-from .weight_admin import DEFAULT_GROUP, WeightAdmin
+from .weight_admin import DEFAULT_GROUP, DEFAULT_UPDATE_PAUSE, WeightAdmin
 
 
 class GrpcAdmin:
@@ -29,7 +29,8 @@ class GrpcAdmin:
         with self._admin(grpc_context) as admin:
             request = self._parsed(request)
             version = request.weight_version if request.HasField("weight_version") else None
-            result = await admin.update_weights_from_disk(request.model_path, version)
+            pause_mode = request.pause_mode if request.HasField("pause_mode") else DEFAULT_UPDATE_PAUSE
+            result = await admin.update_weights_from_disk(request.model_path, version, pause_mode)
             return pb.WeightUpdateResponse(
                 success=result.ok, weight_version=result.weight_version, updated=result.updated, failed=result.failed
             )

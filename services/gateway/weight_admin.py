@@ -1,22 +1,29 @@
 """The RL-rollout admin calls, applied to every engine replica of every role.
 
-    update_weights_from_disk(path, version)   one replica first (the canary): a folder it
-                                              refuses (another architecture, a wrong shape,
-                                              a missing tensor) changes nothing anywhere,
-                                              and the error is the client's (400). Then
-                                              every other replica of every role, at once.
+    update_weights_from_disk(path, version, pause_mode)
+        all or nothing:
+          1. prepare on every replica at once: each reads and checks the whole folder into
+             a staged copy, its live weights untouched (generation goes on meanwhile)
+          2. any replica failed: discard on every replica; the answer names each failed
+             replica and why, and every replica still serves the old version (a folder
+             refused as such, e.g. another shape: the client's error, 400). Nothing was
+             paused, so a refused update disturbs no request.
+          3. pause every replica (`pause_mode`, default "keep"; a replica the caller had
+             paused already stays as the caller paused it, and paused afterwards)
+          4. commit on one replica, then on the others with the version it took
+          5. continue the replicas step 3 paused
     pause_generation(mode) / continue_generation() / reset_prefix_cache() / sleep(level) /
     wake_up()                                 every replica, at once
+    update_weights_from_distributed(...)      every replica checks the names, dtypes and
+                                              shapes first (a preflight); only if all agree
+                                              does any join the trainer's collective
     weight_versions()                         what each replica serves
 
-An engine refuses a bad update before it writes anything (engine/weight_updates.py), so
-the canary's refusal is the all-or-nothing case. A replica that fails after the canary
-succeeded (its disk, its process) is named in the answer with its reason, beside the
-version every other replica moved to: `WeightUpdateResult.failed`.
-
-Each replica's engine applies an update between two steps. While replicas move one after
-another, a prefill on one version can hand over to a decode on another; pause generation
-around the update (as RL loops do) for outputs of one version only.
+With the fleet paused from before any replica commits until after every one has, no
+request sees two versions under "abort" or "wait"; under "keep" a request in flight
+continues on the new weights (its earlier tokens came from the old ones). A commit that
+fails after another replica's succeeded (the replica's process died, say) is named in
+the answer, beside the replicas that moved: `WeightUpdateResult.failed`.
 """
 
 from __future__ import annotations
@@ -29,11 +36,17 @@ from ..engine.errors import InvalidRequestError
 from ..model.errors import ModelLoadError
 
 DEFAULT_GROUP = "weight_update"  # a trainer group's name when the caller gives none
+PAUSE_MODES = ("abort", "wait", "keep")
+# An update leaves requests in flight as updates did before the gateway paused around them:
+# they continue on the new weights.
+DEFAULT_UPDATE_PAUSE = "keep"
+# What a replica raises for an update that is wrong as asked (not the replica's fault).
+_REFUSALS = (ModelLoadError, InvalidRequestError, FileNotFoundError, ValueError)
 
 
 @dataclass(slots=True)
 class WeightUpdateResult:
-    weight_version: str  # what the updated replicas serve now
+    weight_version: str  # what the updated replicas serve now (none updated: what all still serve)
     updated: list[str] = field(default_factory=list)  # worker ids
     failed: dict[str, str] = field(default_factory=dict)  # worker id -> why
 
@@ -55,40 +68,76 @@ def reason(error: BaseException) -> str:
     return str(getattr(error, "cause", None) or error)
 
 
+def failures(outcomes: dict[str, Any]) -> dict[str, BaseException]:
+    return {worker_id: o for worker_id, o in outcomes.items() if isinstance(o, BaseException)}
+
+
+def described(failed: dict[str, BaseException]) -> str:
+    """Each failed replica and why, one after the other."""
+    return "; ".join(f"{worker_id}: {reason(error)}" for worker_id, error in sorted(failed.items()))
+
+
+def is_refusal(error: BaseException) -> bool:
+    return isinstance(getattr(error, "cause", None) or error, _REFUSALS)
+
+
+def one_version(versions: dict[str, str]) -> str:
+    distinct = sorted(set(versions.values()))
+    return distinct[0] if len(distinct) == 1 else str(distinct)
+
+
 class WeightAdmin:
     def __init__(self, handles: dict[str, Any]) -> None:
         self.handles = handles  # role -> the deployment's handle
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> WeightUpdateResult:
-        roles = list(self.handles)
-        canary_role = roles[-1]  # decode (or colocated): where a version mismatch would matter last
+    async def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, pause_mode: str = DEFAULT_UPDATE_PAUSE
+    ) -> WeightUpdateResult:
+        check_pause_mode(pause_mode)
+        if failed := failures(await self._at_once("prepare_weights_from_disk", path)):
+            await self._at_once("discard_prepared_weights")
+            if all(is_refusal(error) for error in failed.values()):
+                raise InvalidRequestError("model_path", f"refused by {described(failed)}; no replica changed")
+            return await self._not_updated(failed, "prepared")
+        paused = await self._at_once("pause_for_update", pause_mode)
         try:
-            canary_id, version = await self.handles[canary_role].update_weights_from_disk.remote(path, weight_version)
-        except Exception as error:
-            cause = getattr(error, "cause", None) or error
-            if isinstance(cause, ModelLoadError | InvalidRequestError | FileNotFoundError | ValueError):
-                raise InvalidRequestError("model_path", f"{cause}; no replica changed") from error
-            raise
-        result = WeightUpdateResult(version, [canary_id])
-        for role in roles:
-            outcomes = await self._broadcast(
-                role, "update_weights_from_disk", path, version, skip_worker=canary_id if role == canary_role else None
-            )
-            result.add(outcomes)
+            if failed := failures(paused):
+                await self._at_once("discard_prepared_weights")
+                return await self._not_updated(failed, "paused")
+            return await self._commit(sorted(paused), weight_version)
+        finally:
+            await self._at_once("continue_generation", [w for w, was_paused in paused.items() if was_paused is True])
+
+    async def _commit(self, worker_ids: list[str], weight_version: str | None) -> WeightUpdateResult:
+        """One replica first (without a caller's version it counts one), then the others with
+        the version it took: every replica ends on the same name."""
+        first = worker_ids[0]
+        outcomes = await self._at_once("commit_prepared_weights", weight_version, [first])
+        if failed := failures(outcomes):
+            await self._at_once("discard_prepared_weights")
+            return await self._not_updated(failed, "committed")
+        version = outcomes[first]
+        result = WeightUpdateResult(version, [first])
+        result.add(await self._at_once("commit_prepared_weights", version, worker_ids[1:]))
+        if result.failed:  # their staged copies go too
+            await self._at_once("discard_prepared_weights")
         return result
+
+    async def _not_updated(self, failed: dict[str, BaseException], step: str) -> WeightUpdateResult:
+        """No replica committed: every one still on the version it had."""
+        answered = {w: v for w, v in (await self._at_once("weight_version")).items() if isinstance(v, str)}
+        why = {worker_id: f"not {step}: {reason(error)}" for worker_id, error in failed.items()}
+        return WeightUpdateResult(one_version(answered), [], why)
 
     # -- from a trainer's torch.distributed group -------------------------------------
 
     async def weight_update_ranks(self) -> dict[str, int]:
         """worker id -> the group ranks it takes (its TP ranks): the trainer's group has
         1 + their sum ranks, the trainer being rank 0."""
-        ranks: dict[str, int] = {}
-        for role in self.handles:
-            for worker_id, outcome in (await self._broadcast(role, "weight_update_ranks")).items():
-                if isinstance(outcome, BaseException):
-                    raise RuntimeError(f"replica {worker_id} did not answer: {outcome}")
-                ranks[worker_id] = outcome
-        return ranks
+        outcomes = await self._at_once("weight_update_ranks")
+        if failed := failures(outcomes):
+            raise RuntimeError(f"replicas did not answer: {described(failed)}")
+        return outcomes
 
     async def init_weights_update_group(
         self,
@@ -113,7 +162,8 @@ class WeightAdmin:
                 f"({len(ranks)} replicas, {sum(ranks.values())} ranks)",
             )
         args = (master_address, master_port, offsets, world_size, group_name, backend)
-        await self._on_every_replica_at_once("init_weights_update_group", *args)
+        if failed := failures(await self._at_once("init_weights_update_group", *args)):
+            raise RuntimeError(f"init_weights_update_group failed on {described(failed)}")
         return offsets
 
     async def update_weights_from_distributed(
@@ -125,12 +175,17 @@ class WeightAdmin:
         group_name: str,
     ) -> WeightUpdateResult:
         """Every replica receives the trainer's broadcast at once (a collective: all or none
-        take part); each checks the bucket plan before it reads a byte."""
-        outcomes = await self._on_every_replica_at_once(
-            "update_weights_from_distributed", names, dtypes, shapes, weight_version, group_name, check=False
+        take part). A preflight on every replica first: a replica that would refuse the
+        names, dtypes or shapes would leave the others waiting in the collective (until its
+        timeout, their weights released), so then none joins."""
+        if failed := failures(await self._at_once("check_weights_update", names, dtypes, shapes, group_name)):
+            if all(is_refusal(error) for error in failed.values()):
+                raise InvalidRequestError("names", f"refused by {described(failed)}; no replica joined the transfer")
+            raise RuntimeError(f"the preflight failed on {described(failed)}; no replica joined the transfer")
+        outcomes = await self._at_once(
+            "update_weights_from_distributed", names, dtypes, shapes, weight_version, group_name
         )
-        versions = {v for v in outcomes.values() if isinstance(v, str)}
-        result = WeightUpdateResult(versions.pop() if len(versions) == 1 else str(sorted(versions)))
+        result = WeightUpdateResult(one_version({w: v for w, v in outcomes.items() if isinstance(v, str)}))
         result.add(outcomes)
         return result
 
@@ -140,8 +195,7 @@ class WeightAdmin:
     # -- generation ---------------------------------------------------------------------
 
     async def pause_generation(self, mode: str = "abort") -> list[str]:
-        if mode not in ("abort", "wait", "keep"):
-            raise InvalidRequestError("mode", f"{mode!r} is not one of abort, wait, keep")
+        check_pause_mode(mode)
         return await self._on_every_replica("pause_generation", mode)
 
     async def continue_generation(self) -> list[str]:
@@ -159,39 +213,28 @@ class WeightAdmin:
         return await self._on_every_replica("wake_up")
 
     async def weight_versions(self) -> dict[str, str]:
-        versions: dict[str, str] = {}
-        for role in self.handles:
-            for worker_id, outcome in (await self._broadcast(role, "weight_version")).items():
-                versions[worker_id] = outcome if isinstance(outcome, str) else f"unknown ({outcome})"
-        return versions
+        outcomes = await self._at_once("weight_version")
+        return {w: o if isinstance(o, str) else f"unknown ({reason(o)})" for w, o in outcomes.items()}
 
     async def _on_every_replica(self, method: str, *args: Any) -> list[str]:
         """The worker ids that did it; raises naming each replica that failed."""
-        done, failed = [], {}
-        for role in self.handles:
-            for worker_id, outcome in (await self._broadcast(role, method, *args)).items():
-                if isinstance(outcome, BaseException):
-                    failed[worker_id] = reason(outcome)
-                else:
-                    done.append(worker_id)
-        if failed:
-            raise RuntimeError(f"{method} failed on {failed}; done on {done}")
-        return done
+        outcomes = await self._at_once(method, *args)
+        if failed := failures(outcomes):
+            done = [w for w in outcomes if w not in failed]
+            raise RuntimeError(f"{method} failed on {described(failed)}; done on {done}")
+        return list(outcomes)
 
-    async def _on_every_replica_at_once(self, method: str, *args: Any, check: bool = True) -> dict[str, Any]:
-        """Like `_on_every_replica`, but every role's replicas together (a collective call)."""
+    async def _at_once(self, method: str, *args: Any) -> dict[str, Any]:
+        """worker id -> its result (or the exception it raised), from every replica of every
+        role at once (a collective call needs them together)."""
         per_role = await asyncio.gather(*(self._broadcast(role, method, *args) for role in self.handles))
-        outcomes = {worker_id: outcome for role_outcomes in per_role for worker_id, outcome in role_outcomes.items()}
-        failed = {w: reason(o) for w, o in outcomes.items() if isinstance(o, BaseException)}
-        if check and failed:
-            raise RuntimeError(f"{method} failed on {failed}")
-        return outcomes
+        return {worker_id: outcome for role_outcomes in per_role for worker_id, outcome in role_outcomes.items()}
 
-    async def _broadcast(self, role: str, method: str, *args: Any, skip_worker: str | None = None) -> dict[str, Any]:
+    async def _broadcast(self, role: str, method: str, *args: Any) -> dict[str, Any]:
         """worker id -> its result (or the exception it raised), from every replica of `role`.
-        Each replica's method returns (worker id, result)."""
-        kwargs = {} if skip_worker is None else {"skip_worker": skip_worker}
-        response = self.handles[role].broadcast(method, *args, **kwargs)
+        Each replica's method returns (worker id, result), or None where a call names the
+        replicas it is for and this is not one."""
+        response = self.handles[role].broadcast(method, *args)
         results = await response.results_async(return_exceptions=True)
         outcomes: dict[str, Any] = {}
         for i, result in enumerate(results):
@@ -201,3 +244,8 @@ class WeightAdmin:
                 worker_id, value = result
                 outcomes[worker_id] = value
         return outcomes
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError("mode", f"{mode!r} is not one of {', '.join(PAUSE_MODES)}")

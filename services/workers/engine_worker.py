@@ -9,12 +9,14 @@ build it without Ray; `services/serve_app/builder.py` turns it into a Serve depl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
 from ..autoscaling.signals import ReplicaSignals
 from ..engine.api.async_llm import AsyncLLM
@@ -22,9 +24,11 @@ from ..engine.api.handover import Handover
 from ..engine.api.outputs import RequestOutput
 from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
+from ..engine.execution.weight_sync import plan_buckets
 from ..engine.stats import EngineStats
 from ..kv_transfer.config import FaultInjection
 from ..metrics import EngineMetrics
+from ..model.weight_update import check_update
 from ..replica_ports import bind_to_node_ip
 from ..roles import Role
 from ..router.config import RouterConfig
@@ -214,20 +218,49 @@ class EngineWorker:
         return await self.llm.run_in_engine(lambda core: (core.check_integrity(), core.stats())[1])
 
     # -- RL rollouts: the admin calls, through gateway/weight_admin.py -------------------
-    # Each answers (worker id, result), or None on the replica a broadcast skips.
+    # Each answers (worker id, result), or None on a replica the call does not name (`only`).
+    # The all-or-nothing steps answer a failure as (worker id, the exception), so the gateway
+    # names the replica that failed.
 
-    async def update_weights_from_disk(
-        self, path: str, weight_version: str | None = None, skip_worker: str | None = None
-    ) -> tuple[str, str] | None:
-        if skip_worker == self.worker_id:
+    async def pause_for_update(self, mode: str) -> tuple[str, bool | BaseException]:
+        """Pauses unless already paused (a caller's own pause stays as it is); True when
+        this call paused, so only then does the update's end continue generation."""
+
+        async def pause() -> bool:
+            if await self.llm.run_in_engine(lambda core: core.weights.is_paused):
+                return False
+            await self.llm.pause_generation(mode)
+            return True
+
+        return await self._answer(pause)
+
+    async def prepare_weights_from_disk(self, path: str) -> tuple[str, None | BaseException]:
+        return await self._answer(lambda: self.llm.prepare_weights_from_disk(path))
+
+    async def commit_prepared_weights(
+        self, weight_version: str | None, only: list[str]
+    ) -> tuple[str, str | BaseException] | None:
+        if self.worker_id not in only:
             return None
-        return self.worker_id, await self.llm.update_weights_from_disk(path, weight_version)
+        return await self._answer(lambda: self.llm.commit_prepared_weights(weight_version))
+
+    async def discard_prepared_weights(self) -> tuple[str, None | BaseException]:
+        return await self._answer(lambda: self.llm.discard_prepared_weights())
+
+    async def check_weights_update(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> tuple[str, None | BaseException]:
+        """The preflight of a trainer's update: would every rank take these tensors?"""
+        check = functools.partial(_check_weights_update, names, dtypes, shapes, group_name)
+        return await self._answer(lambda: self.llm.run_in_engine(lambda core: core.executor.run_on_ranks(check)))
 
     async def pause_generation(self, mode: str = "abort") -> tuple[str, None]:
         await self.llm.pause_generation(mode)
         return self.worker_id, None
 
-    async def continue_generation(self) -> tuple[str, None]:
+    async def continue_generation(self, only: list[str] | None = None) -> tuple[str, None] | None:
+        if only is not None and self.worker_id not in only:
+            return None
         await self.llm.continue_generation()
         return self.worker_id, None
 
@@ -279,6 +312,13 @@ class EngineWorker:
         reach every replica of a role with (Serve's `broadcast`)."""
         return self.worker_id, os.getpid(), await self.check_integrity()
 
+    async def _answer(self, call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
+        """(worker id, what `call` returned), or (worker id, the exception it raised)."""
+        try:
+            return self.worker_id, await call()
+        except Exception as error:
+            return self.worker_id, error
+
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine restarts the replica."""
         if not self.llm.is_running:
@@ -310,6 +350,18 @@ class EngineWorker:
     def _admit(self, call: GenerateCall) -> None:
         """Admission control (workers/admission.py); a shed request never reaches the engine."""
         self.admission.admit(call.request_id, len(call.prompt_token_ids), self.llm.stats(), self.worker_id)
+
+
+def _check_weights_update(names, dtypes, shapes, group_name: str, rank) -> None:
+    """What a rank checks of a trainer's update before reading a byte (rank_weights.py), on
+    its own: the bucket plan's names and dtypes, every shape against the running model, and
+    the group."""
+    plan_buckets(names, dtypes, shapes)
+    weights = rank.weights
+    shape_of = {name: tuple(shape) for name, shape in zip(names, shapes, strict=True)}
+    check_update(weights.layout, weights.arch, shape_of, complete=weights.is_released)
+    if group_name not in weights.groups:
+        raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
 
 
 def _in_ray() -> bool:

@@ -4,15 +4,21 @@ process, reached the way Serve's `DeploymentHandle.broadcast` reaches every repl
   - With API keys configured, an admin route refuses a key that is not an admin's: 403 on
     HTTP, PERMISSION_DENIED on gRPC (no key at all: 401 / UNAUTHENTICATED); an admin key
     reaches every replica.
-  - An update from disk is all or nothing across replicas: two replicas on models of
-    different intermediate_size, a folder that fits only the first; the update is reported
-    failed naming the second and why, and both stay on their old version and outputs.
+  - An update from disk is all or nothing across replicas: replicas on models of different
+    intermediate_size, a folder that fits only some; the update is reported failed naming
+    the replica that refused it and why, and every replica stays on its old version and
+    outputs, unpaused, nothing staged.
+  - A trainer's update is checked on every replica before any joins the collective.
+  - A replica that fails (its engine gone) is named, and no replica changes.
+  - An update every replica takes: one version on all, greedy equal to Hugging Face on the
+    new weights; a pause the caller made before it is still there after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,6 +27,7 @@ import pytest
 from baton.services.engine import SamplingParams
 from baton.services.engine.api.sampling_params import RequestOutputKind
 from baton.services.engine.config import EngineConfig
+from baton.services.engine.errors import InvalidRequestError
 from baton.services.gateway.api_keys import ApiKeys
 from baton.services.gateway.gateway import Gateway
 from baton.services.gateway.grpc_servicers import add_admin_servicer_to_server
@@ -30,6 +37,7 @@ from baton.services.workers.engine_worker import EngineWorker
 from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc as pb_grpc
 from testlib.grpc_inprocess import AsServeReports
+from testlib.hf import hf_greedy
 from testlib.models import tiny_model
 
 KEY, ADMIN = "sk-weights-user-5e4d3c2b1a09", "sk-weights-admin-0a1b2c3d4e5f"
@@ -64,9 +72,10 @@ def make_worker(model_dir, name: str) -> EngineWorker:
 
 @pytest.fixture(scope="module")
 def workers():
-    """Two replicas of one role: the tiny llama, and one with a narrower MLP."""
+    """Replicas of one role: two on the tiny llama, one with a narrower MLP."""
     made = [
-        make_worker(tiny_model("llama"), "wide"),
+        make_worker(tiny_model("llama"), "wide-a"),
+        make_worker(tiny_model("llama"), "wide-b"),
         make_worker(tiny_model("llama", intermediate_size=NARROW), "narrow"),
     ]
     yield made
@@ -75,9 +84,20 @@ def workers():
 
 
 async def greedy(worker: EngineWorker) -> tuple[list[int], str]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    outputs = [o async for o in worker.generate(GenerateCall(f"g-{id(params)}", PROMPT, params))]
+    """Greedy tokens (to EOS, as Hugging Face's generate stops) and the version that made them."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, output_kind=RequestOutputKind.DELTA)
+    call = GenerateCall(f"greedy-{uuid.uuid4().hex[:8]}", PROMPT, params)
+    outputs = await asyncio.wait_for(collect(worker.generate(call)), 60)
     return [t for o in outputs for t in o.token_ids], outputs[-1].weight_version
+
+
+async def collect(stream) -> list:
+    return [output async for output in stream]
+
+
+async def engine_state(worker: EngineWorker) -> tuple[bool, bool]:
+    """(paused, holding a staged update)"""
+    return await worker.llm.run_in_engine(lambda core: (core.weights.is_paused, core.weights.has_prepared))
 
 
 # -- admin keys ---------------------------------------------------------------------------
@@ -138,4 +158,81 @@ async def test_an_admin_route_with_keys_configured_refuses_a_key_that_is_not_an_
         assert dict(versions.replicas) == {w.worker_id: "0" for w in workers}
     for worker in workers:  # the refused pause reached no replica: both still generate
         tokens, version = await greedy(worker)
-        assert len(tokens) == MAX_TOKENS and version == "0"
+        assert tokens and version == "0"
+
+
+# -- all or nothing -----------------------------------------------------------------------
+
+
+async def test_a_folder_that_fits_some_replicas_only_changes_none(workers):
+    wide_a, wide_b, narrow = workers
+    before = {w.worker_id: await greedy(w) for w in workers}
+    admin = WeightAdmin({"colocated": Replicas(workers)})
+    with pytest.raises(InvalidRequestError) as refused:
+        await admin.update_weights_from_disk(str(tiny_model("llama", seed=1)), "step-1")
+    message = str(refused.value)
+    assert f"refused by {narrow.worker_id}: " in message and "no replica changed" in message, message
+    assert f"intermediate_size is 128, the running model's is {NARROW}" in message, message  # why
+    assert wide_a.worker_id not in message and wide_b.worker_id not in message  # they took it
+    assert await admin.weight_versions() == {w.worker_id: "0" for w in workers}
+    for worker in workers:
+        assert await engine_state(worker) == (False, False)  # unpaused, nothing left staged
+        assert await greedy(worker) == before[worker.worker_id]
+        stats = await worker.check_integrity()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+async def test_a_trainer_update_one_replica_would_refuse_is_refused_before_any_joins(workers):
+    wide_a, _, narrow = workers
+    shapes = {name: list(shape) for name, shape in (await layout_shapes(wide_a)).items()}
+    admin = WeightAdmin({"colocated": Replicas([wide_a, narrow])})
+    call = admin.update_weights_from_distributed(
+        list(shapes), ["float32"] * len(shapes), list(shapes.values()), "trained", "rl"
+    )
+    with pytest.raises(InvalidRequestError) as refused:
+        await asyncio.wait_for(call, 60)  # no replica waits in a collective for the others
+    message = str(refused.value)
+    assert "no replica joined the transfer" in message
+    narrow_why = message.split(f"{narrow.worker_id}: ")[1]
+    assert "shape" in narrow_why, message  # the narrow replica: its model's shapes
+    assert "no weight update group 'rl'" in message.split(f"{wide_a.worker_id}: ")[1].split(";")[0], message
+    assert await admin.weight_versions() == {wide_a.worker_id: "0", narrow.worker_id: "0"}
+
+
+async def layout_shapes(worker: EngineWorker) -> dict[str, tuple[int, ...]]:
+    return await worker.llm.run_in_engine(lambda core: core.executor.run_on_ranks(_layout_shapes)[0])
+
+
+def _layout_shapes(rank) -> dict[str, tuple[int, ...]]:
+    return dict(rank.weights.layout.shapes)
+
+
+async def test_an_update_every_replica_takes_is_one_version_and_keeps_a_callers_pause(workers):
+    wide = workers[:2]
+    new_dir = tiny_model("llama", seed=1)
+    admin = WeightAdmin({"colocated": Replicas(wide)})
+    await admin.pause_generation("wait")  # an RL loop's own pause around its update
+    result = await admin.update_weights_from_disk(str(new_dir), pause_mode="abort")
+    assert result.ok and sorted(result.updated) == sorted(w.worker_id for w in wide)
+    assert result.weight_version == "1"  # the first replica's count, taken by the other
+    assert await admin.weight_versions() == {w.worker_id: "1" for w in wide}
+    for worker in wide:
+        assert await engine_state(worker) == (True, False)  # still the caller's pause
+    await admin.continue_generation()
+    expected, _ = hf_greedy(new_dir, PROMPT, MAX_TOKENS)
+    for worker in wide:
+        assert await greedy(worker) == (expected, "1")
+
+
+async def test_a_replica_that_fails_to_prepare_is_named_and_no_replica_changes(workers):
+    wide, dead = workers[:2], workers[2]
+    before = {w.worker_id: await greedy(w) for w in wide}
+    dead.shutdown()  # its engine is gone: a failure of the replica, not of the folder
+    admin = WeightAdmin({"colocated": Replicas(workers)})
+    result = await admin.update_weights_from_disk(str(tiny_model("llama", seed=2)), "step-2")
+    assert not result.ok and result.updated == [] and list(result.failed) == [dead.worker_id]
+    assert result.failed[dead.worker_id].startswith("not prepared: ")
+    assert result.weight_version == "1"  # what every live replica still serves
+    for worker in wide:
+        assert await engine_state(worker) == (False, False)
+        assert await greedy(worker) == before[worker.worker_id]
