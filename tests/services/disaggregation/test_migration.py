@@ -285,9 +285,10 @@ def test_constrained_streams_migrate_by_replaying_their_tokens(deployment, clien
 # Last in this module: it leaves the application deployed from a config, with one decode replica.
 def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offline):
     """Deployed as KubeRay does (a Serve config; testlib/serve_deploy.py), a lower decode
-    count only drains one decode replica: it takes nothing new, its streams that outlast the
-    drain budget (GRACE_PERIOD_S) are migrated when its process goes, and the worker
-    deregisters from the router as it stops. Nothing else restarts."""
+    count only drains one decode replica: it takes nothing new, its worker leaves the
+    router's ranking as the drain starts (retired by the gateway's request router, while the
+    replica still streams), its streams that outlast the drain budget (GRACE_PERIOD_S) are
+    migrated when its process goes. Nothing else restarts."""
     from baton.services.router.router import PrefixRouter
     from ray import serve
 
@@ -296,9 +297,27 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     wait_for_replicas("decode", 2)
     settle("decode")
     others = replica_pids("prefill") + replica_pids("gateway")
+    decode_pids = replica_pids("decode")
+    router = PrefixRouter.from_config(config.router_config())
+    assert len(router.route_decode("probe", 8, record=False).ranked) == 2
     streams = Streams(client, PROMPTS, LONG_OUTPUT)
     streams.first_token.wait()
-    deploy_from_config(config, {"prefill": 2, "decode": 1}, GRACE_PERIOD_S)
+    retired = {}  # when the drained worker left the ranking, and which decode processes ran then
+
+    def watch() -> None:
+        while len(router.route_decode("probe", 8, record=False).ranked) > 1 and time.monotonic() < asked + 60:
+            time.sleep(0.05)
+        retired["after_s"] = time.monotonic() - asked
+        retired["alive"] = [pid for pid in decode_pids if os.path.exists(f"/proc/{pid}")]
+
+    asked = time.monotonic()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    deploy_from_config(config, {"prefill": 2, "decode": 1}, GRACE_PERIOD_S)  # returns once it is done
+    watcher.join()
+    # Both decode processes still ran: the worker left the ranking at the drain's start, not
+    # when its replica exited or its heartbeat lapsed.
+    assert retired["alive"] == decode_pids, retired
     streams.join()
     assert not streams.errors, streams.errors
     assert streams.tokens == {p: offline["long", p] for p in PROMPTS}
@@ -307,11 +326,8 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     while len(replica_pids("decode")) > 1:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    router = PrefixRouter.from_config(config.router_config())
-    gone_at = time.monotonic()
-    while len(router.route_decode("probe", 8, record=False).ranked) > 1:  # well before its heartbeat lapses
-        assert time.monotonic() - gone_at < 1.0
-        time.sleep(0.05)
+    assert len(router.route_decode("probe", 8, record=False).ranked) == 1  # and it stays out
+    print(f"scale-down: the drained worker left the ranking {retired['after_s']:.2f} s after the deploy")
     print(f"scale-down: {len(migrated)}/8 streams outlasted the drain budget and were migrated")
     assert migrated, streams.kv_paths  # the drained replica's streams outlasted its budget
     assert replica_pids("prefill") + replica_pids("gateway") == others  # a lightweight update: no restart

@@ -1,7 +1,9 @@
 """Output channels through real serving (a local Ray cluster, one colocated replica): the
 streams of concurrent requests arrive over gRPC and HTTP exactly as the engine produces them
 offline, the replica sends fewer messages than outputs (the point of the channel), and a
-client that leaves a stream on the channel ends its request on the engine."""
+client that leaves a stream on the channel ends its request on the engine. The same tests run
+with the channels off (`gateway.multiplex_outputs: false`: a Ray stream per request), where
+no output goes on a channel."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ PROMPTS = [f"Stream {i}: the quick brown fox jumps over" for i in range(8)]
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def deployment():
+@pytest.fixture(scope="module", params=[True, False], ids=["channels", "per-request"])
+def deployment(request):
     overrides = {
         "mode": "colocated",
-        "gateway": {"multiplex_outputs": True},
+        "gateway": {"multiplex_outputs": request.param},
         "engine": {"model": {"max_model_len": 1024}, "cache": {"num_kv_blocks": 512}},
     }
     with local_baton(overrides) as deployment:
@@ -41,6 +43,10 @@ def offline() -> dict[str, list[int]]:
         return {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True)}
     finally:
         llm.shutdown()
+
+
+def multiplexed(deployment) -> bool:
+    return deployment.config.gateway.multiplex_outputs
 
 
 def worker():
@@ -70,6 +76,9 @@ def test_concurrent_grpc_streams_share_the_channel_and_equal_offline(deployment,
     assert not errors, errors[:3]
     assert tokens == offline
     messages, outputs = worker().channel_counts.remote().result()
+    if not multiplexed(deployment):
+        assert (messages, outputs) == (messages0, outputs0)  # nothing went on a channel
+        return
     assert outputs - outputs0 > 0  # the outputs came on the channel
     assert messages - messages0 < outputs - outputs0  # several requests' outputs per message
 
@@ -96,7 +105,7 @@ def test_an_http_stream_on_the_channel_equals_offline(deployment, offline):
                 chunk = json.loads(line[len("data: ") :])
                 token_ids += chunk["choices"][0].get("token_ids") or []
     _, outputs = worker().channel_counts.remote().result()
-    assert outputs > outputs0
+    assert (outputs > outputs0) == multiplexed(deployment)
     assert token_ids == offline[PROMPTS[3]]
 
 
