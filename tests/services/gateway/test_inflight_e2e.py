@@ -112,6 +112,10 @@ def test_over_the_inflight_bound_is_429_with_retry_after_then_served_again(deplo
         assert shed >= shed_before + 3
         in_flight = _wait_for_gauge(metrics, "baton_gateway_requests_in_flight", BOUND)
         assert in_flight >= BOUND
+        print(
+            f"gateway in-flight bound {BOUND}: HTTP 429 in {refused_s * 1e3:.0f} ms (Retry-After 1), gRPC "
+            f"RESOURCE_EXHAUSTED; shed counted {shed - shed_before:g}; in-flight gauge {in_flight:g}"
+        )
     # The held clients left: their slots are free again.
     deadline = time.monotonic() + 30
     while (status := httpx.post(f"{address}/v1/completions", json=BODY, timeout=60).status_code) == 429:
