@@ -33,7 +33,8 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
                                                     request router (heartbeat lapsed; actor gone), by role
   worker   baton_num_requests_running / _waiting{role}, baton_kv_cache_usage_ratio{role},
            baton_num_waiting_prompt_tokens{role} (prompt tokens waiting for prefill: admission's token bound),
-           baton_num_admission_queued{role} (admitted requests without a first output yet: admission's queue),
+           baton_num_admission_queued{role} (admitted requests without a first output yet: admission's queue;
+           set when the worker's metrics loop passes Admission.num_queued to EngineMetrics.export),
            baton_num_free_kv_blocks{role}, baton_num_warm_free_kv_blocks{role} (free, holding a prefix used within
            cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
            baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
