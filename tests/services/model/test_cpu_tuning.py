@@ -41,9 +41,9 @@ def test_a_helper_thread_runs_torch_serially_and_others_keep_their_threads(two_t
 def test_row_counts_map_to_a_bounded_set_of_sizes_with_little_padding():
     sizes = [onednn_rows(n) for n in range(1, 4097)]
     assert all(size >= n for n, size in zip(range(1, 4097), sizes))
-    assert len(set(sizes)) == 8 + 8 * 6  # up to 64, then eight per octave
+    assert len(set(sizes)) == 8 + 7 + 8 * 6  # each up to 8, multiples of 8 up to 64, then eight per octave
     assert max((size - n) / n for n, size in zip(range(65, 4097), sizes[64:])) <= 0.125
-    expected = {1: 8, 8: 8, 9: 16, 64: 64, 65: 72, 72: 72, 73: 80, 128: 128, 129: 144, 1000: 1024}
+    expected = {1: 1, 3: 3, 8: 8, 9: 16, 64: 64, 65: 72, 72: 72, 73: 80, 128: 128, 129: 144, 1000: 1024}
     assert {n: onednn_rows(n) for n in expected} == expected
 
 
@@ -52,5 +52,6 @@ def test_padded_rows_keep_the_rows_and_add_zeros():
     padded = pad_rows_for_onednn(x)
     assert padded.shape == (16, 16) and padded.is_contiguous()
     assert torch.equal(padded[:10], x.reshape(10, 16)) and not padded[10:].any()
+    assert pad_rows_for_onednn(torch.randn(3, 16)).shape == (3, 16)  # small batches run unpadded
     exact = torch.randn(24, 16)
     assert pad_rows_for_onednn(exact).data_ptr() == exact.data_ptr()  # nothing to pad: no copy
