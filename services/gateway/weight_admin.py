@@ -11,7 +11,9 @@
           3. pause every replica (`pause_mode`, default "keep"; a replica the caller had
              paused already stays as the caller paused it, and paused afterwards)
           4. commit on one replica, then on the others with the version it took
-          5. continue the replicas step 3 paused
+          5. continue the replicas step 3 paused; once every replica committed, each
+             records the update, which a replica that starts later (a replacement,
+             autoscaling) loads before it takes requests (workers/last_update.py)
     pause_generation(mode) / continue_generation() / reset_prefix_cache() / sleep(level) /
     wake_up()                                 every replica, at once
     update_weights_from_distributed(...)      every replica checks the names, dtypes and
@@ -104,11 +106,11 @@ class WeightAdmin:
             if failed := failures(paused):
                 await self._at_once("discard_prepared_weights")
                 return await self._not_updated(failed, "paused")
-            return await self._commit(sorted(paused), weight_version)
+            return await self._commit(sorted(paused), path, weight_version)
         finally:
             await self._at_once("continue_generation", [w for w, was_paused in paused.items() if was_paused is True])
 
-    async def _commit(self, worker_ids: list[str], weight_version: str | None) -> WeightUpdateResult:
+    async def _commit(self, worker_ids: list[str], path: str, weight_version: str | None) -> WeightUpdateResult:
         """One replica first (without a caller's version it counts one), then the others with
         the version it took: every replica ends on the same name."""
         first = worker_ids[0]
@@ -121,6 +123,8 @@ class WeightAdmin:
         result.add(await self._at_once("commit_prepared_weights", version, worker_ids[1:]))
         if result.failed:  # their staged copies go too
             await self._at_once("discard_prepared_weights")
+        else:
+            await self._at_once("record_update", path, version)  # for replicas that start later
         return result
 
     async def _not_updated(self, failed: dict[str, BaseException], step: str) -> WeightUpdateResult:
@@ -187,6 +191,8 @@ class WeightAdmin:
         )
         result = WeightUpdateResult(one_version({w: v for w, v in outcomes.items() if isinstance(v, str)}))
         result.add(outcomes)
+        if result.ok:  # a later replica cannot replay it, and says so (workers/last_update.py)
+            await self._at_once("record_update", None, result.weight_version)
         return result
 
     async def destroy_weights_update_group(self, group_name: str) -> list[str]:

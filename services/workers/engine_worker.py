@@ -36,6 +36,7 @@ from ..router.worker_agent import WorkerAgent
 from ..router.worker_info import WorkerInfo, new_epoch
 from ..serving_errors import quiet_rejections
 from ..worker_calls import ChannelOffer, DecodeCall, GenerateCall, MovedToChannel, OpenChannel, WorkerModelInfo
+from . import last_update
 from .admission import Admission, AdmissionLimits
 from .output_channels import OutputChannels
 
@@ -81,6 +82,7 @@ class EngineWorker:
             kv_event_publisher=self.agent.publisher if self.agent else None,
             worker_id=self.info.worker_id,
         )
+        last_update.replay(self.llm, engine_config.model.model)  # the fleet's weights, before any request
         if self.agent is not None:
             self.agent.start(self.llm.stats)
         self._metrics_stop = threading.Event()
@@ -253,6 +255,10 @@ class EngineWorker:
         """The preflight of a trainer's update: would every rank take these tensors?"""
         check = functools.partial(_check_weights_update, names, dtypes, shapes, group_name)
         return await self._answer(lambda: self.llm.run_in_engine(lambda core: core.executor.run_on_ranks(check)))
+
+    async def record_update(self, path: str | None, weight_version: str) -> tuple[str, bool]:
+        """Where a replica that starts later finds the fleet's update (workers/last_update.py)."""
+        return self.worker_id, last_update.record(self.llm.core.config.model.model, path, weight_version)
 
     async def pause_generation(self, mode: str = "abort") -> tuple[str, None]:
         await self.llm.pause_generation(mode)

@@ -9,12 +9,16 @@
     update from disk lands meanwhile, and after continue_generation they run to max_tokens,
     their last chunk reporting the new version;
   - after each, every KV block is free again on every replica (free + used == total, no
-    lease left on the prefill side).
+    lease left on the prefill side);
+  - a replica that starts after the updates (the decode replica killed, Serve's replacement)
+    loads the last one before it serves: the fleet's version, greedy equal to HF on it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -28,6 +32,7 @@ from testlib.baton_client import greedy_request
 from testlib.hf import hf_greedy
 from testlib.local_baton import local_baton
 from testlib.models import tiny_model
+from testlib.ray_processes import replica_pids
 from testlib.waiting import wait_until
 
 pytestmark = pytest.mark.ray
@@ -202,3 +207,31 @@ def test_grpc_pause_refuses_an_unknown_mode(deployment):
     finally:
         client.close()
     assert HttpStream(deployment, max_tokens=4).ended().finish_reason == "length"  # nothing paused
+
+
+def test_a_replica_that_starts_after_an_update_loads_it_before_it_serves(deployment):
+    from transformers import AutoTokenizer
+
+    before = httpx.get(f"{deployment.http_address}/weight_version", timeout=30).json()
+    assert before["weight_version"] == "kept-2", before  # the last update of this module
+    (victim,) = replica_pids("decode")
+    os.kill(victim, signal.SIGKILL)
+
+    def replaced() -> dict | None:
+        if replica_pids("decode") in ([], [victim]):
+            return None
+        answer = httpx.get(f"{deployment.http_address}/weight_version", timeout=30).json()
+        decode = [w for w in answer["replicas"] if w.startswith("decode") and w not in before["replicas"]]
+        return answer if decode and len(answer["replicas"]) == len(ROLES) else None  # the lost one gone
+
+    after = wait_until(replaced, 120, 0.5, what="the decode replica's replacement")
+    assert after["weight_version"] == "kept-2", after  # the replacement too, not "0"
+    new_dir = tiny_model("llama", seed=3)
+    expected, _ = hf_greedy(new_dir, AutoTokenizer.from_pretrained(new_dir).encode(PROMPT), 12)
+    client = BatonClient(deployment.grpc_address)
+    try:
+        responses = list(client.generate(greedy_request(PROMPT, 12), timeout=60))
+    finally:
+        client.close()
+    assert [t for r in responses for t in r.token_ids] == expected
+    assert responses[-1].weight_version == "kept-2" and responses[-1].timings.kv_path == "transferred"
