@@ -123,6 +123,8 @@ def test_over_the_inflight_bound_is_429_with_retry_after_then_served_again(deplo
         time.sleep(0.2)
     assert status == 200
     assert _wait_for_gauge(metrics, "baton_gateway_requests_in_flight", 0, below=True) == 0
+    # The engine's side of the backlog is exported beside it (idle now: nothing waits for prefill).
+    assert _wait_for_gauge(metrics, "baton_num_waiting_prompt_tokens", 0, below=True) == 0
 
 
 def _wait_for_gauge(metrics_address: str, name: str, value: float, below: bool = False, timeout_s: float = 30) -> float:
