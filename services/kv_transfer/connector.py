@@ -55,6 +55,19 @@ class KVConnector(ABC):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """The rank's per-layer caches, each [2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
+    def release_kv_caches(self) -> None:
+        """Sleep: ends every lease (waiting out sends that read them; later claims are refused,
+        so their decode side recomputes), then lets go of the caches, so their memory is freed
+        with the runner's. `register_kv_caches` takes the new ones on wake."""
+        with self._lock:
+            leased = list(self._leases)
+        self.remove_leases(leased)
+        self._forget_kv_caches()
+
+    @abstractmethod
+    def _forget_kv_caches(self) -> None:
+        """Drops every reference to the registered caches (NIXL: deregisters them first)."""
+
     @property
     @abstractmethod
     def endpoint(self) -> str:

@@ -25,7 +25,10 @@ round trip (up to the prefill loop's half-millisecond poll) off the handover. Th
 counts only when the grant arrives: a grant means the claim pinned a live lease, and a
 lease is taken when its request finishes and never revives once ended, so the blocks held
 the finished prompt, unfreed, for the whole READ. A refusal cancels the READ and the
-receive fails (the engine recomputes), as before.
+receive fails (the engine recomputes), as before. A prefill rank that slept and woke has
+new caches, and its metadata here is stale: a grant announcing another layout than the
+early READ used, or a READ that cannot be posted after the grant, fetches the metadata
+again and reads from the granted layout (an early READ that fails waits for the grant).
 
 Every wait has a deadline. The decode side gives up `timeout_s` after `start_recv`: it
 cancels its READ, sends done {ok: false} and reports failed_recving (its engine recomputes).
@@ -47,7 +50,6 @@ exercises the checksum comparison, not damaged bytes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -55,8 +57,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -64,10 +64,9 @@ from ..model.cpu_tuning import run_torch_serially_in_this_thread
 from .config import KVTransferConfig
 from .connector import TransferError, advertised_host
 from .nixl_agent import Mailbox, create_agent
-from .nixl_layout import CacheLayout, checksum, encode_blocks
-from .nixl_prefill import NixlPrefillSide
+from .nixl_decode import NixlDecodeSide
+from .nixl_layout import CacheLayout
 from .types import KVRecvTask
-from .wire_layout import runs
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +75,9 @@ _ACTIVE_POLL_S = 0.0005  # while receives, claims or leases are live (a prefill 
 _IDLE_POLL_S = 0.01
 
 
-@dataclass(slots=True)
-class _Recv:
-    """Decode side: one receive, connecting -> claimed -> reading (or refused, closed: no "done" owed)."""
-
-    task: KVRecvTask
-    peer: str  # the prefill rank's agent
-    claim_id: int
-    started: float
-    deadline: float
-    stage: str = "connecting"
-    handle: Any = None  # the READ, while it runs
-    checksum: int | None = None  # announced by the grant (verify mode)
-    granted: bool = False
-    read_done: bool = False
-
-
-class NixlConnector(NixlPrefillSide):
-    """The agent, its loop and the decode side; the prefill side (claims) is NixlPrefillSide's."""
+class NixlConnector(NixlDecodeSide):
+    """The agent and its loop; the decode side (receives) is NixlDecodeSide's, the prefill
+    side (claims) NixlPrefillSide's."""
 
     def __init__(self, config: KVTransferConfig, tp_rank: int, device: torch.device) -> None:
         super().__init__(config)
@@ -106,11 +90,6 @@ class NixlConnector(NixlPrefillSide):
         self.kv_caches: list[torch.Tensor] = []
         self._layout: CacheLayout | None = None
         self._registered = None
-        # The loop thread's own.
-        self._recvs: dict[int, _Recv] = {}
-        self._peers: set[str] = set()  # agents whose metadata was asked for
-        self._layouts: dict[str, CacheLayout] = {}  # prefill agents' cache layouts, from their grants
-        self._claim_ids = itertools.count(1)
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-nixl-{tp_rank}", daemon=True)
@@ -124,6 +103,9 @@ class NixlConnector(NixlPrefillSide):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._call(lambda: self._register(kv_caches))
+
+    def _forget_kv_caches(self) -> None:
+        self._call(self._deregister)
 
     def add_leases(self, leases: dict[str, tuple[int, ...]]) -> None:
         super().add_leases(leases)
@@ -172,7 +154,7 @@ class NixlConnector(NixlPrefillSide):
             return
 
     def _poll_interval(self) -> float:
-        if any(recv.stage in ("claimed", "reading") for recv in self._recvs.values()):
+        if any(recv.stage in ("claimed", "reading", "refreshing") for recv in self._recvs.values()):
             return _RECEIVING_POLL_S
         with self._lock:
             has_leases = bool(self._leases)
@@ -217,6 +199,12 @@ class NixlConnector(NixlPrefillSide):
         self._registered = self._agent.register_memory(kv_caches)
         self.kv_caches, self._layout = kv_caches, layout
 
+    def _deregister(self) -> None:
+        """No memory stays registered (pinned, for RDMA) or referenced once the caches go."""
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+        self._registered, self.kv_caches, self._layout = None, [], None
+
     def _teardown(self) -> None:
         for recv in list(self._recvs.values()):
             recv.stage = "closed"
@@ -233,143 +221,3 @@ class NixlConnector(NixlPrefillSide):
         with self._lock:
             self._num_pins.clear()
             self._lock.notify_all()
-
-    # -- decode side ------------------------------------------------------------------
-
-    def _begin_recv(self, task: KVRecvTask, started: float) -> None:
-        endpoint = task.params.source_endpoints[self.rank]
-        address, _, peer = endpoint.partition("/")
-        recv = _Recv(task, peer, next(self._claim_ids), started, started + self.config.timeout_s)
-        self._recvs[recv.claim_id] = recv
-        try:
-            if not peer or ":" not in address:
-                raise TransferError(f"{endpoint!r} is not a NIXL endpoint (host:port/agent)")
-            if self._layout is None:
-                raise TransferError("no KV cache registered")
-            if peer not in self._peers:  # ask for its metadata, and send ours so it can answer
-                host, port = address.rsplit(":", 1)
-                self._agent.fetch_remote_metadata(peer, host, int(port))
-                self._agent.send_local_metadata(host, int(port))
-                self._peers.add(peer)
-        except Exception as error:
-            self._fail(recv, error)
-
-    def _advance_recvs(self, now: float) -> None:
-        for recv in list(self._recvs.values()):
-            try:
-                if recv.stage == "connecting" and self._agent.check_remote_metadata(recv.peer):
-                    claim = {
-                        "op": "claim",
-                        "claim": recv.claim_id,
-                        "transfer_id": recv.task.params.transfer_id,
-                        "blocks": encode_blocks(recv.task.src_block_ids),
-                        "verify": self.config.verify,
-                    }
-                    self._mail.send(recv.peer, claim, now)
-                    recv.stage = "claimed"
-                    if recv.peer in self._layouts:  # an early READ (module docstring)
-                        self._mail.flush(now)  # the claim first: a READ may run to its end in the call
-                        self._start_read(recv, self._layouts[recv.peer])
-                elif recv.stage == "reading" and recv.handle is not None:
-                    state = self._agent.check_xfer_state(recv.handle)
-                    if state == "DONE":
-                        self._read_done(recv, now)
-                        continue
-                    if state == "ERR":
-                        raise TransferError("the READ failed")
-                if now > recv.deadline:
-                    raise TransferError(f"timed out after {self.config.timeout_s:g}s ({recv.stage})")
-            except Exception as error:
-                self._fail(recv, error)
-
-    def _on_grant(self, peer: str, message: dict) -> None:
-        recv = self._recvs.get(message["claim"])
-        if recv is None or recv.peer != peer or recv.stage not in ("claimed", "reading") or recv.granted:
-            self._mail.send(peer, {"op": "done", "claim": message["claim"], "ok": False}, time.monotonic())
-            return  # given up: let it unpin
-        try:
-            recv.checksum = message.get("checksum")
-            recv.granted = True
-            layout = CacheLayout.from_message(message["layout"])
-            early = self._layouts.get(peer)
-            self._layouts[peer] = layout
-            if recv.stage == "claimed":
-                self._start_read(recv, layout)
-            elif layout != early:
-                raise TransferError("the prefill rank's cache layout changed under an early READ")
-            elif recv.read_done:
-                self._finish(recv, time.monotonic())
-        except Exception as error:
-            self._fail(recv, error)
-
-    def _start_read(self, recv: _Recv, remote: CacheLayout) -> None:
-        local = self._layout
-        if len(remote.bases) != len(local.bases) or remote.block_bytes != local.block_bytes:
-            raise TransferError("the prefill rank's KV cache is shaped differently")
-        src, dst = recv.task.src_block_ids, recv.task.dst_block_ids
-        segments = runs(src, dst)  # runs consecutive on both sides: one descriptor each
-        recv.stage = "reading"
-        if not segments:
-            self._read_done(recv, time.monotonic())
-            return
-        agent = self._agent
-        local_descs = agent.get_xfer_descs(local.descriptors([(dst[i], n) for i, n in segments]), local.mem_type)
-        remote_descs = agent.get_xfer_descs(remote.descriptors([(src[i], n) for i, n in segments]), remote.mem_type)
-        recv.handle = agent.initialize_xfer("READ", local_descs, remote_descs, recv.peer)
-        state = agent.transfer(recv.handle)
-        if state == "ERR":
-            raise TransferError("posting the READ failed")
-        if state == "DONE":
-            self._read_done(recv, time.monotonic())
-
-    def _read_done(self, recv: _Recv, now: float) -> None:
-        self._release(recv)
-        recv.read_done = True
-        if recv.granted:
-            self._finish(recv, now)
-
-    def _finish(self, recv: _Recv, now: float) -> None:
-        """The READ is done and the grant is in."""
-        dst = recv.task.dst_block_ids
-        if recv.checksum is not None:
-            crc = checksum(self.kv_caches, dst)
-            if crc != recv.checksum:
-                raise TransferError(f"checksum mismatch ({crc:#x} != {recv.checksum:#x})")
-        self._mail.send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": True}, now)
-        del self._recvs[recv.claim_id]
-        with self._lock:
-            self._status.finished_recving.add(recv.task.request_id)
-            self._status.bytes_received += 2 * len(self.kv_caches) * len(dst) * self._layout.block_bytes
-            self._status.recv_seconds += time.monotonic() - recv.started
-            self._pending.discard(recv.task.request_id)
-
-    def _on_refused(self, peer: str, message: dict) -> None:
-        recv = self._recvs.get(message["claim"])
-        if recv is not None and recv.peer == peer and recv.stage in ("claimed", "reading") and not recv.granted:
-            recv.stage = "refused"  # nothing pinned over there: no "done" owed (an early READ is cancelled)
-            self._fail(recv, TransferError(message.get("reason", "refused")))
-
-    def _fail(self, recv: _Recv, error: Exception) -> None:
-        logger.warning("KV transfer %s from %s failed: %s", recv.task.request_id, recv.peer, error)
-        self._recvs.pop(recv.claim_id, None)
-        self._release(recv)  # before reporting: the engine may reuse the blocks at once
-        with self._lock:
-            self._status.failed_recving[recv.task.request_id] = f"{type(error).__name__}: {error}"
-            self._pending.discard(recv.task.request_id)
-        if recv.stage in ("claimed", "reading"):  # unpin the blocks over there now, not at its timeout
-            self._mail.send(recv.peer, {"op": "done", "claim": recv.claim_id, "ok": False}, time.monotonic())
-        elif recv.stage == "connecting" and recv.peer in self._peers:
-            try:
-                if not self._agent.check_remote_metadata(recv.peer):
-                    self._peers.discard(recv.peer)  # never reached: the next receive asks again
-            except Exception as check_error:
-                logger.warning("NIXL connector %s: %s", self.name, check_error)
-
-    def _release(self, recv: _Recv) -> None:
-        """Frees the READ's handle; one still running is cancelled."""
-        handle, recv.handle = recv.handle, None
-        if handle is not None:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception as error:  # NIXL keeps it and retries when the agent goes
-                logger.warning("KV transfer %s: cancelling the READ failed: %s", recv.task.request_id, error)

@@ -100,6 +100,9 @@ class TorchDistributedConnector(KVConnector):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
+    def _forget_kv_caches(self) -> None:
+        self.kv_caches = []  # a receive still writing holds its own plan's views until it ends
+
     def start_recv(self, task: KVRecvTask) -> None:
         with self._lock:
             self._pending.add(task.request_id)

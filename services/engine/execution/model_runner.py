@@ -117,7 +117,10 @@ class ModelRunner:
             self.connector.register_kv_caches(self.kv_caches)
 
     def release_kv_cache(self) -> None:
-        """Frees the KV-cache tensors (sleep); `initialize_kv_cache` brings them back, zeroed."""
+        """Frees the KV-cache tensors (sleep); `initialize_kv_cache` brings them back, zeroed
+        (and hands them to the connector). The connector lets go of them too, or nothing is freed."""
+        if self.connector is not None:
+            self.connector.release_kv_caches()
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back to the device, not just to torch

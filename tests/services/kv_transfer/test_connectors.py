@@ -4,8 +4,10 @@ test_nixl_connector.py."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -91,3 +93,22 @@ def test_close_does_not_hang_with_a_receive_in_flight(connect, receive):
         closer.join(timeout=5.0)
     assert not any(closer.is_alive() for closer in closers)
     assert time.monotonic() - start < 5.0
+
+
+def test_released_caches_are_let_go_and_new_ones_served(connect, receive, outcome):
+    """Sleep: the producer's leases end (a claim is refused, its consumer recomputes) and no
+    reference to its caches is left; wake: it serves the caches it registers next."""
+    p, d = connect(timeout_s=5.0)
+    p.add_leases({"t": (1, 2)})
+    shape = p.kv_caches[0].shape
+    old = [weakref.ref(kv) for kv in p.kv_caches]
+    p.release_kv_caches()
+    gc.collect()
+    assert p.kv_caches == [] and [r() for r in old] == [None] * len(old)
+    receive(p, d, "asleep", [1, 2], [3, 4])
+    assert "asleep" in outcome(d).failed_recving
+    p.register_kv_caches([torch.randn(shape) for _ in range(3)])
+    p.add_leases({"t2": (1, 2)})
+    receive(p, d, "awake", [1, 2], [3, 4], transfer_id="t2")
+    assert outcome(d).finished_recving == {"awake"}
+    assert torch.equal(d.kv_caches[0][:, [3, 4]], p.kv_caches[0][:, [1, 2]])

@@ -5,7 +5,10 @@ ending in a correct, recomputed answer with all blocks back."""
 
 from __future__ import annotations
 
+import gc
+import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -36,15 +39,8 @@ def engine(llama_dir, transport):
     engines: list[EngineCore] = []
 
     def make(role: str, **kv) -> EngineCore:
-        config = EngineConfig.from_kwargs(
-            model=str(llama_dir),
-            num_kv_blocks=64,
-            block_size=16,
-            role=role,
-            transport=transport,
-            allow_fault_injection=True,
-            **kv,
-        )
+        settings = {"num_kv_blocks": 64, "block_size": 16, "allow_fault_injection": True, **kv}
+        config = EngineConfig.from_kwargs(model=str(llama_dir), role=role, transport=transport, **settings)
         engines.append(EngineCore(config))
         return engines[-1]
 
@@ -311,3 +307,37 @@ def test_kv_received_across_an_update_is_recomputed_not_read(engine):
     assert d.stats().kv_version_mismatches == 1 and d.stats().kv_recv_ok == 0
     assert out.token_ids == continuation(tiny_model("llama", seed=1), first.token_ids)
     settle(d, p)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_sleep_frees_the_kv_memory_the_connector_holds_and_wake_up_hands_over_again(engine, expected):
+    """Asleep, neither the runner nor the connector (NIXL: its registration) keeps the KV
+    tensors: they are gone, and with them the decode side's 256 MiB of resident memory.
+    Awake, each connector has the new caches: a handover transfers and matches one engine."""
+    p = engine("prefill")
+    d = engine("decode", num_kv_blocks=None, kv_cache_memory_bytes=256 * 2**20)
+    first = prefill(p, "before")
+    decode(d, p, "before", first)
+    settle(p, d)
+    for e in (p, d):
+        kv_bytes, _ = e.weights.memory_bytes()
+        old = [weakref.ref(t) for t in e.executor.rank.runner.kv_caches]
+        gc.collect()
+        awake = resident_bytes()
+        e.weights.sleep(1)
+        gc.collect()
+        assert [r() for r in old] == [None] * len(old)  # no reference left anywhere
+        assert e.executor.rank.connector.kv_caches == []
+        if e is d:
+            assert awake - resident_bytes() >= 0.9 * kv_bytes
+        e.weights.wake_up()
+    assert all(len(e.executor.rank.connector.kv_caches) == len(e.executor.rank.runner.kv_caches) for e in (p, d))
+    first = prefill(p, "after")
+    out = decode(d, p, "after", first)
+    assert first.token_ids + out.token_ids == expected
+    assert out.kv_path == "transferred"
+    settle(p, d)

@@ -96,10 +96,14 @@ def test_an_early_read_with_a_wrong_checksum_fails(known_pair, receive, outcome)
     assert "checksum mismatch" in outcome(d).failed_recving["r"]
 
 
-def test_an_early_read_from_a_layout_that_changed_fails(known_pair, receive, outcome):
-    """Engines register their caches once; should a producer re-register, a READ made from
-    the layout of its earlier grant must not count."""
-    p, d = known_pair()
+def test_an_early_read_from_a_layout_that_changed_reads_the_new_caches(known_pair, receive, outcome):
+    """A producer that registered new caches (it slept and woke): a READ made from the layout
+    of its earlier grant must not count; the consumer fetches the producer's metadata again
+    and reads the new memory."""
+    p, d = known_pair(verify=True)
     p.register_kv_caches([torch.randn(SHAPE) for _ in range(3)])  # new memory: new bases
     lease_and_receive(p, d, receive)
-    assert "layout changed" in outcome(d).failed_recving["r"]
+    status = outcome(d)
+    assert status.finished_recving == {"r"} and not status.failed_recving
+    for layer in range(3):
+        assert torch.equal(d.kv_caches[layer][:, [7, 8]], p.kv_caches[layer][:, [5, 6]])

@@ -1,7 +1,11 @@
-"""sleep/wake_up: level 1 frees the KV-cache tensors, level 2 the weights too (measured in
-tensor bytes); a sleeping engine refuses requests with EngineSleepingError."""
+"""sleep/wake_up: level 1 frees the KV-cache tensors, level 2 the weights too (in tensor
+bytes, and the KV cache in the process's resident memory); a sleeping engine refuses
+requests with EngineSleepingError."""
 
 from __future__ import annotations
+
+import gc
+import os
 
 import pytest
 from baton.services.engine import LLM, AsyncLLM, SamplingParams
@@ -34,6 +38,34 @@ def test_level_1_frees_and_restores_the_kv_cache(llm, old_dir):
     assert_equals_hf(old_dir, ids, outputs)
     assert all(o.num_cached_tokens == 0 for o in outputs)
     llm.core.check_integrity()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_level_1_gives_the_kv_memory_back_to_the_system(old_dir):
+    """A KV cache large enough to dwarf the rest (256 MiB, each layer's tensor past malloc's
+    mmap threshold, so freeing it unmaps it): the process's resident memory drops by it on
+    sleep and grows by it again on wake_up (the cache comes back zeroed: its pages touched)."""
+    llm = LLM(model=str(old_dir), kv_cache_memory_bytes=256 * 2**20)
+    try:
+        kv_bytes, _ = llm.core.weights.memory_bytes()
+        assert kv_bytes >= 250 * 2**20
+        llm.generate(["A"], GREEDY)
+        gc.collect()
+        awake = resident_bytes()
+        llm.sleep(1)
+        gc.collect()
+        asleep = resident_bytes()
+        assert awake - asleep >= 0.9 * kv_bytes, (awake, asleep, kv_bytes)
+        llm.wake_up()
+        assert resident_bytes() - asleep >= 0.9 * kv_bytes
+        assert llm.generate(["A"], GREEDY)[0].finished
+    finally:
+        llm.shutdown()
 
 
 def test_level_2_frees_the_weights_until_an_update_loads_them(llm, new_dir):
