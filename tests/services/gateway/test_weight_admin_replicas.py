@@ -168,6 +168,8 @@ async def test_a_folder_that_fits_some_replicas_only_changes_none(workers):
     wide_a, wide_b, narrow = workers
     before = {w.worker_id: await greedy(w) for w in workers}
     admin = WeightAdmin({"colocated": Replicas(workers)})
+    with pytest.raises(InvalidRequestError, match="'later' is not one of abort, wait, keep"):
+        await admin.update_weights_from_disk(str(tiny_model("llama", seed=1)), pause_mode="later")
     with pytest.raises(InvalidRequestError) as refused:
         await admin.update_weights_from_disk(str(tiny_model("llama", seed=1)), "step-1")
     message = str(refused.value)
