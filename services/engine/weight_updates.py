@@ -162,7 +162,8 @@ class WeightUpdates:
         backend: str = "gloo",
     ) -> None:
         """Every rank joins the trainer's group as rank_offset + tp_rank (the trainer is rank 0
-        and must join at the same time: this returns once everyone has)."""
+        and must join at the same time: this returns once everyone has). backend "gloo"
+        receives into host memory, "nccl" onto the weights' CUDA device (refused without one)."""
         fn = functools.partial(_init_group, master_address, master_port, rank_offset, world_size, group_name, backend)
         self.core.executor.run_on_ranks(fn)
 

@@ -111,8 +111,9 @@ class RankWeights:
     ) -> None:
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} already exists")
+        device = next(self.model.parameters()).device  # NCCL receives where the weights live
         self.groups[group_name] = WeightSyncGroup(
-            master_address, master_port, rank_offset + self.tp_rank, world_size, group_name, backend
+            master_address, master_port, rank_offset + self.tp_rank, world_size, group_name, backend, device=device
         )
 
     def update_from_distributed(

@@ -1,8 +1,10 @@
 """The trainer-to-engine weight channel: a torch.distributed group of its own, bucketed.
 
 The trainer is rank 0 and broadcasts; every engine rank joins as `rank_offset + tp_rank`
-and keeps only its shard of what it receives. The group is a `ProcessGroupGloo` on its own
-`TCPStore` (hosted by rank 0), never the default group, so it lives beside the TP group.
+and keeps only its shard of what it receives. The group is a process group of its own on
+its own `TCPStore` (hosted by rank 0), never the default group, so it lives beside the TP
+group: gloo (buffers in host memory) or NCCL (buffers on the group's CUDA device, which
+for an engine rank is its weights' device). Everything else is the same for both.
 
 Many tensors share one collective: tensors are grouped by dtype (in the order given) and
 flattened into buckets of at most `bucket_bytes` (a larger tensor is a bucket alone). Both
@@ -95,9 +97,11 @@ class WeightSyncGroup:
         group_name: str,
         backend: str = "gloo",
         timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
     ) -> None:
-        if backend != "gloo":
-            raise ValueError(f"weight update groups support backend 'gloo' (got {backend!r})")
+        """`device`: NCCL's buffers' CUDA device (default: the current one); gloo's buffers are
+        in host memory whatever it says, as before."""
+        self.device = _buffer_device(backend, device)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -106,7 +110,13 @@ class WeightSyncGroup:
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
-        self.process_group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+        prefixed = dist.PrefixStore(group_name, store)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.process_group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        else:
+            self.process_group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.broadcast_async(tensor, src).wait()
@@ -122,17 +132,32 @@ class WeightSyncGroup:
         self._store = None
 
 
-def _plan_header(buckets: Sequence[Bucket]) -> torch.Tensor:
+def _buffer_device(backend: str, device: torch.device | str | None) -> torch.device:
+    """Refuses what cannot work before anyone waits on the group: an unknown backend, or
+    NCCL without CUDA buffers."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend != "nccl":
+        raise ValueError(f"weight update groups support backends 'gloo' and 'nccl' (got {backend!r})")
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        where = "torch sees no CUDA device" if not torch.cuda.is_available() else f"the buffers would be on {device}"
+        raise ValueError(f"weight update backend 'nccl' needs CUDA ({where}); use backend 'gloo'")
+    return device
+
+
+def _plan_header(buckets: Sequence[Bucket], device: torch.device) -> torch.Tensor:
     """What both sides planned, sent first: a trainer with another bucket size or other
     tensors is refused by name instead of filling the wrong bytes."""
-    return torch.tensor([len(buckets), sum(b.numel for b in buckets), sum(len(b.entries) for b in buckets)])
+    counts = [len(buckets), sum(b.numel for b in buckets), sum(len(b.entries) for b in buckets)]
+    return torch.tensor(counts, device=device)
 
 
 def receive_buckets(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Engine side: each bucket from rank 0 in turn, as (name, view into the bucket). The
     next bucket is already being received while the caller writes this one (two in flight
     at most, so a rank holds two buckets, not a second copy of the model)."""
-    expected = _plan_header(buckets)
+    expected = _plan_header(buckets, group.device)
     header = torch.empty_like(expected)
     group.broadcast(header, src=0)
     if not torch.equal(header, expected):
@@ -147,7 +172,7 @@ def receive_buckets(group: WeightSyncGroup, buckets: Sequence[Bucket]) -> Iterat
     def post() -> None:
         bucket = next(pending, None)
         if bucket is not None:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
             in_flight.append((bucket, flat, group.broadcast_async(flat, src=0)))
 
     post()
@@ -170,9 +195,9 @@ def broadcast_weights(
     def flats() -> Iterator[torch.Tensor]:
         for bucket in buckets:
             if len(bucket.entries) == 1:  # no copy for a tensor that is a bucket alone
-                yield tensors[bucket.entries[0].name].detach().to("cpu").contiguous().view(-1)
+                yield tensors[bucket.entries[0].name].detach().to(group.device).contiguous().view(-1)
             else:
-                yield torch.cat([tensors[e.name].detach().to("cpu").reshape(-1) for e in bucket.entries])
+                yield torch.cat([tensors[e.name].detach().to(group.device).reshape(-1) for e in bucket.entries])
 
     _send(group, buckets, flats())
 
@@ -182,7 +207,12 @@ class FlatWeights:
     nothing. `tensors[name]` is a view a trainer can make its parameter's storage
     (`param.data = flat.tensors[name]`), as trainers with contiguous parameter buffers do."""
 
-    def __init__(self, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str = "cpu",  # the group's: "cuda" for NCCL
+    ):
         self.names, self.dtypes, self.shapes = describe(named_tensors)
         self.bucket_bytes = bucket_bytes
         self.buckets = plan_buckets(self.names, self.dtypes, self.shapes, bucket_bytes)
@@ -190,7 +220,7 @@ class FlatWeights:
         self.flats: list[torch.Tensor] = []
         self.tensors: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
             for e in bucket.entries:
                 self.tensors[e.name] = flat[e.offset : e.offset + e.numel].view(e.shape)
                 self.tensors[e.name].copy_(source[e.name])
@@ -202,7 +232,7 @@ class FlatWeights:
 
 def _send(group: WeightSyncGroup, buckets: Sequence[Bucket], flats: Iterator[torch.Tensor]) -> None:
     """The plan's header, then each bucket; the next is prepared while one is in flight."""
-    group.broadcast(_plan_header(buckets), src=0)
+    group.broadcast(_plan_header(buckets, group.device), src=0)
     in_flight: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
     for flat in flats:
         in_flight.append((flat, group.broadcast_async(flat, src=0)))

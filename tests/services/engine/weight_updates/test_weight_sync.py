@@ -8,8 +8,8 @@ import pytest
 import torch
 from baton.services.engine import LLM, AsyncLLM, SamplingParams
 from baton.services.engine.errors import EngineSleepingError
-from baton.services.engine.execution.weight_sync import FlatWeights, as_dtype, plan_buckets
-from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf
+from baton.services.engine.execution.weight_sync import FlatWeights, WeightSyncGroup, as_dtype, plan_buckets
+from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf, free_port
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
 
@@ -39,6 +39,30 @@ def test_flat_weights_live_in_their_buckets():
         assert torch.equal(flat.tensors[name], tensor)
     flat.tensors["c"].add_(1)  # a trainer's in-place step lands in the bucket it sends
     assert torch.equal(flat.flats[0][8:], named[2][1] + 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_nccl_without_cuda_is_refused_naming_the_backend(old_dir):
+    """Refused before any rendezvous: nobody waits for a group that cannot form."""
+    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA.*use backend 'gloo'"):
+        WeightSyncGroup("127.0.0.1", 1, 0, 2, "rl", backend="nccl")  # port 1: never reached
+    with pytest.raises(ValueError, match="'gloo' and 'nccl'.*'mpi'"):
+        WeightSyncGroup("127.0.0.1", 1, 0, 2, "rl", backend="mpi")
+    llm = LLM(model=str(old_dir), num_kv_blocks=64)
+    try:
+        with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
+            llm.init_weights_update_group("127.0.0.1", 1, 1, 2, "rl", backend="nccl")
+        with pytest.raises(ValueError, match="no weight update group"):
+            llm.destroy_weights_update_group("rl")  # the refused group was never made
+    finally:
+        llm.shutdown()
+
+
+def test_a_gloo_group_receives_into_host_memory_whatever_the_device():
+    port = free_port()
+    group = WeightSyncGroup("127.0.0.1", port, 0, 1, "solo", device="cuda")  # gloo: host buffers
+    assert group.device == torch.device("cpu")
+    group.destroy()
 
 
 def test_update_from_a_trainer_process_equals_hf(old_dir, tmp_path, trainer_factory):
