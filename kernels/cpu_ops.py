@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_paged_decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode_attention.cpp", "cpu_fused_ops.cpp")]
 # -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
 # online softmax starts from -inf), hence -fno-finite-math-only.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -61,6 +61,38 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         float(scale),
+    )
+
+
+def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, new residual) as `reference.rms_norm_ref`, in one pass per row; x (and
+    residual) contiguous."""
+    require()
+    out, new_residual = torch.ops.baton_cpu.rms_norm(x, weight, float(eps), residual)
+    return out, (new_residual if residual is not None else None)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate, up) -> silu(gate) * up; x contiguous."""
+    require()
+    return torch.ops.baton_cpu.silu_and_mul(x)
+
+
+def rotary_embedding_and_cache(
+    positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
+) -> None:
+    """Rotates query and key in place and writes the rotated keys and the values into the
+    caches at their slots (slot -1: not written), in one pass per token."""
+    require()
+    torch.ops.baton_cpu.rotary_embedding_and_cache(
+        positions.to(torch.int64).contiguous(),
+        query,
+        key,
+        value,
+        cos_sin_cache.contiguous(),
+        key_cache,
+        value_cache,
+        slot_mapping.to(torch.int64).contiguous(),
     )
 
 

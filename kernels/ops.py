@@ -3,8 +3,9 @@
 Every op takes `impl`: "auto" picks Triton for CUDA tensors; on the CPU, the C++ kernel
 where one exists and builds (cpu_ops.py), else the torch reference. "triton" forces the
 Triton kernel (on CPU only under TRITON_INTERPRET=1, which the tests use); "cpp" forces the
-C++ kernel of an op that has one (decode attention), raising if it cannot be built; "torch"
-forces the reference.
+C++ kernel of an op that has one (decode attention, RMSNorm, SiLU-and-multiply, rotary
+embedding fused with the cache write), raising if it cannot be built; "torch" forces the
+reference.
 """
 
 from __future__ import annotations
@@ -87,7 +88,19 @@ def rms_norm(x, weight, eps: float, residual=None, impl: KernelImpl = "auto"):
         from .rms_norm import rms_norm
 
         return rms_norm(x, weight, eps, residual)
+    contiguous = x.is_contiguous() and (residual is None or residual.is_contiguous())
+    if use_cpp(impl, x) and (contiguous or impl == "cpp"):
+        if not contiguous:
+            x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+        return cpu_ops.rms_norm(x, weight, eps, residual)
     return reference.rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_and_mul(x, impl: KernelImpl = "auto"):
+    """[..., 2I] (gate, then up) -> silu(gate) * up."""
+    if use_cpp(impl, x) and not x.is_cuda:
+        return cpu_ops.silu_and_mul(x.contiguous())
+    return reference.silu_and_mul_ref(x)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, impl: KernelImpl = "auto"):
@@ -96,3 +109,17 @@ def rotary_embedding(positions, query, key, cos_sin_cache, impl: KernelImpl = "a
 
         return rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding_ref(positions, query, key, cos_sin_cache)
+
+
+def rotary_embedding_and_cache(
+    positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, impl: KernelImpl = "auto"
+):
+    """Rotates query and key in place, then writes the rotated keys and the values into the
+    caches: one pass on the CPU (the C++ kernel), the two ops elsewhere."""
+    heads_contiguous = query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+    if not use_triton(impl, query) and use_cpp(impl, query) and heads_contiguous:
+        return cpu_ops.rotary_embedding_and_cache(
+            positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
+        )
+    rotary_embedding(positions, query, key, cos_sin_cache, impl=impl)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl=impl)

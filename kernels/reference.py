@@ -131,6 +131,12 @@ def rms_norm_ref(
     return weight * normed.to(x.dtype), residual
 
 
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> silu(gate) * up, in x's dtype (as Llama's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor,
     query: torch.Tensor,

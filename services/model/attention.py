@@ -18,6 +18,8 @@ from baton.kernels import ops
 from baton.kernels.ops import KernelImpl
 from torch import nn
 
+from .rotary import RotaryEmbedding
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -35,7 +37,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the paged cache, then attends. kv_cache: [2, N, B, H_kv, D]."""
+    """Writes new K/V into the paged cache, then attends. kv_cache: [2, N, B, H_kv, D].
+    With `rotary`, q and k are first rotated by `positions`, together with the cache write."""
 
     name: str
 
@@ -48,6 +51,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        rotary: RotaryEmbedding | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -58,9 +63,12 @@ class PagedAttentionBackend(AttentionBackend):
         self.impl = impl
         self.name = impl
 
-    def forward(self, q, k, v, kv_cache, metadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata, scale, rotary=None, positions=None):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping, impl=self.impl)
+        if rotary is not None:
+            rotary.forward_and_cache(positions, q, k, v, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping, impl=self.impl)
         num_decodes = metadata.num_decodes
         if num_decodes == metadata.num_reqs:
             return ops.paged_decode_attention(
@@ -108,5 +116,5 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, rotary=None, positions=None) -> torch.Tensor:
+        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, rotary, positions)

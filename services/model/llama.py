@@ -5,7 +5,7 @@ with q/k/v and gate/up merged into one column-parallel projection each."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from baton.kernels import ops
 from baton.kernels.ops import KernelImpl
 from torch import nn
 
@@ -60,21 +60,22 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, metadata)
+        out = self.attn(q, k, v, kv_cache, metadata, rotary=self.rotary, positions=positions)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, arch: ModelArch, tp: TPGroup, dtype: torch.dtype, device: torch.device, impl: KernelImpl = "auto"
+    ) -> None:
         super().__init__()
+        self.impl = impl
         size = arch.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [size, size], arch.mlp_bias, tp, dtype, device)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), impl=self.impl))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, rotary, backend, tp, dtype, device, impl)
-        self.mlp = LlamaMLP(arch, tp, dtype, device)
+        self.mlp = LlamaMLP(arch, tp, dtype, device, impl)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, impl)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, impl)
 

@@ -62,3 +62,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q [T, H, D] and k [T, H_kv, D] in place."""
         ops.rotary_embedding(positions, q, k, self.cos_sin_cache, impl=self.impl)
+
+    def forward_and_cache(self, positions, q, k, v, key_cache, value_cache, slot_mapping) -> None:
+        """Rotates q and k in place and writes the rotated k and v into the caches at their
+        slots: one pass on the CPU (kernels/ops.py)."""
+        ops.rotary_embedding_and_cache(
+            positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, slot_mapping, impl=self.impl
+        )

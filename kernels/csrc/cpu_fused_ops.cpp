@@ -1,0 +1,232 @@
+// Fused element-wise CPU kernels: RMSNorm with the residual add before it, SiLU-and-multiply,
+// and rotary embedding fused with the KV-cache write.
+//
+// Each replaces a chain of torch ops (kernels/reference.py) that reads and writes the whole
+// activation once per op and pays the dispatcher per op: a decode step of the bench model ran
+// about 1,000 small ops, most of them these chains. Every kernel makes one pass per row and
+// rounds where the reference rounds (a bf16 sum, a bf16 normed value, a bf16 SiLU), so bf16
+// and fp16 results equal the reference's up to the order of float additions; the arithmetic
+// itself is float32 for every dtype, as in the references.
+//
+// Rows are split across threads with at::parallel_for only when there are enough of them to
+// pay for it (kGrainElements per task); a decode step's few rows run on the calling thread.
+//
+// Built on first use by kernels/cpu_ops.py together with cpu_paged_decode_attention.cpp, which
+// defines the baton_cpu library these ops join.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 16;
+
+int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+
+// Rounds a float32 value to scalar_t and back: where the reference stores an intermediate in
+// the tensor's dtype, so does this (a no-op for float32).
+template <typename scalar_t>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+template <typename scalar_t>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor* residual,
+                   at::Tensor& out, at::Tensor* residual_out) {
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  const scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
+  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* rop = residual_out ? residual_out->data_ptr<scalar_t>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = xp + r * H;
+      const scalar_t* src = xr;  // what is normed: x, or x + residual in x's dtype
+      float sum_sq = 0.f;
+      if (rp != nullptr) {
+        const scalar_t* rr = rp + r * H;
+        scalar_t* ro = rop + r * H;
+        for (int64_t i = 0; i < H; ++i) {
+          const scalar_t s = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          ro[i] = s;
+          const float v = static_cast<float>(s);
+          sum_sq += v * v;
+        }
+        src = ro;
+      } else {
+        for (int64_t i = 0; i < H; ++i) {
+          const float v = static_cast<float>(xr[i]);
+          sum_sq += v * v;
+        }
+      }
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(H) + feps);
+      scalar_t* o = op + r * H;
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = round_to<scalar_t>(static_cast<float>(src[i]) * inv);
+        o[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * normed);
+      }
+    }
+  });
+}
+
+// (normed, new residual): with a residual, normed = norm(x + residual) and the new residual
+// is x + residual; without one, the second result is an empty tensor.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "rms_norm needs a contiguous CPU tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(), "rms_norm: weight of ",
+              weight.sizes(), " for rows of ", x.size(-1));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: the residual must be contiguous, of x's shape and dtype");
+  }
+  auto out = at::empty_like(x);
+  at::Tensor residual_out = residual ? at::empty_like(x) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, weight, eps, residual ? &*residual : nullptr, out,
+                            residual ? &residual_out : nullptr);
+  });
+  return {out, residual_out};
+}
+
+template <typename scalar_t>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t I = out.size(-1), rows = out.numel() / I;
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = xp + r * 2 * I;
+      const scalar_t* up = gate + I;
+      scalar_t* o = op + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float silu = round_to<scalar_t>(g / (1.f + std::exp(-g)));
+        o[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// [..., 2I] (gate, then up) -> [..., I]: silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "silu_and_mul needs a contiguous CPU tensor");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: the last dimension (", x.size(-1), ") must be even");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_rows<scalar_t>(x, out); });
+  return out;
+}
+
+// Neox-style rotation of one head's [D] values with this position's cos/sin halves.
+template <typename scalar_t>
+inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half, scalar_t* copy_to) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    const scalar_t a = static_cast<scalar_t>(x1 * cos[i] - x2 * sin[i]);
+    const scalar_t b = static_cast<scalar_t>(x2 * cos[i] + x1 * sin[i]);
+    x[i] = a;
+    x[i + half] = b;
+    if (copy_to != nullptr) {
+      copy_to[i] = a;
+      copy_to[i + half] = b;
+    }
+  }
+}
+
+template <typename scalar_t>
+void rope_and_cache_rows(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
+                         const at::Tensor& slot_mapping) {
+  const int64_t T = query.size(0), H = query.size(1), Hkv = key.size(1), D = query.size(2), half = D / 2;
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t k_row = key.stride(0), k_head = key.stride(1);
+  const int64_t v_row = value.stride(0), v_head = value.stride(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cs = cos_sin_cache.data_ptr<float>();
+  const int64_t cs_row = cos_sin_cache.size(1);
+  scalar_t* qp = query.data_ptr<scalar_t>();
+  scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
+  scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  const int64_t slot_stride = Hkv * D;  // a cache slot: one token's K (or V), every KV head
+  at::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cs + pos[t] * cs_row;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < H; ++h) rotate_head<scalar_t>(qp + t * q_row + h * q_head, cos, sin, half, nullptr);
+      const int64_t slot = slots[t];  // -1: padding, not cached
+      for (int64_t h = 0; h < Hkv; ++h) {
+        scalar_t* dst = slot >= 0 ? kc + slot * slot_stride + h * D : nullptr;
+        rotate_head<scalar_t>(kp + t * k_row + h * k_head, cos, sin, half, dst);
+      }
+      if (slot >= 0) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const scalar_t* src = vp + t * v_row + h * v_head;
+          std::copy(src, src + D, vc + slot * slot_stride + h * D);
+        }
+      }
+    }
+  });
+}
+
+// Rotates query [T, H, D] and key [T, H_kv, D] in place by their positions (cos_sin_cache
+// [max_pos, D] float32: cos in the first half, sin in the second), and writes each token's
+// rotated key and its value into the caches ([N, B, H_kv, D]) at its slot.
+void rotary_embedding_and_cache(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+                                const at::Tensor& value, const at::Tensor& cos_sin_cache, at::Tensor key_cache,
+                                at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be [T, H, D]");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
+              "rotary_embedding_and_cache needs each head's values contiguous");
+  TORCH_CHECK(key.sizes() == value.sizes() && query.size(0) == key.size(0) && query.size(2) == key.size(2),
+              "query ", query.sizes(), ", key ", key.sizes(), " and value ", value.sizes(), " do not match");
+  TORCH_CHECK(query.size(2) % 2 == 0 && cos_sin_cache.size(1) == query.size(2), "cos_sin_cache of ",
+              cos_sin_cache.sizes(), " for heads of ", query.size(2));
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous float32");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.dim() == 4 && key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+              "the caches must be contiguous [N, B, H_kv, D] for keys of ", key.sizes());
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "query, key, value and caches must share a dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == query.size(0) &&
+                  slot_mapping.numel() == query.size(0),
+              "positions and slot_mapping must be contiguous int64 with one entry per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "rotary_embedding_and_cache", [&] {
+    rope_and_cache_rows<scalar_t>(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+        "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
+}
