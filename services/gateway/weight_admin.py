@@ -125,7 +125,20 @@ class WeightAdmin:
             await self._at_once("discard_prepared_weights")
         else:
             await self._at_once("record_update", path, version)  # for replicas that start later
+            result.add(await self._catch_up(path, version))
         return result
+
+    async def _catch_up(self, path: str, version: str) -> dict[str, Any]:
+        """Replicas that came up while the update ran (after its prepare step, before they
+        could read the record) serve their startup weights: they take the update now."""
+        versions = await self._at_once("weight_version")
+        late = sorted(w for w, v in versions.items() if isinstance(v, str) and v != version)
+        if not late:
+            return {}
+        prepared = await self._at_once("prepare_weights_from_disk", path, late)
+        ready = [w for w in late if not isinstance(prepared.get(w), BaseException)]
+        committed = await self._at_once("commit_prepared_weights", version, ready) if ready else {}
+        return {**failures(prepared), **committed}
 
     async def _not_updated(self, failed: dict[str, BaseException], step: str) -> WeightUpdateResult:
         """No replica committed: every one still on the version it had."""

@@ -236,7 +236,11 @@ class EngineWorker:
 
         return await self._answer(pause)
 
-    async def prepare_weights_from_disk(self, path: str) -> tuple[str, None | BaseException]:
+    async def prepare_weights_from_disk(
+        self, path: str, only: list[str] | None = None
+    ) -> tuple[str, None | BaseException] | None:
+        if only is not None and self.worker_id not in only:
+            return None
         return await self._answer(lambda: self.llm.prepare_weights_from_disk(path))
 
     async def commit_prepared_weights(

@@ -9,6 +9,7 @@ process, reached the way Serve's `DeploymentHandle.broadcast` reaches every repl
     the replica that refused it and why, and every replica stays on its old version and
     outputs, unpaused, nothing staged.
   - A trainer's update is checked on every replica before any joins the collective.
+  - A replica that comes up while an update runs (so misses it) takes it at its end.
   - A replica that fails (its engine gone) is named, and no replica changes.
   - An update every replica takes: one version on all, greedy equal to Hugging Face on the
     new weights; a pause the caller made before it is still there after it.
@@ -226,15 +227,46 @@ async def test_an_update_every_replica_takes_is_one_version_and_keeps_a_callers_
         assert await greedy(worker) == (expected, "1")
 
 
+class JoiningReplicas(Replicas):
+    """Replicas to which Serve adds `late` while an update runs: after its prepare step,
+    before its commits (so it missed both, and the record of the update too)."""
+
+    def __init__(self, workers: list[EngineWorker], late: EngineWorker) -> None:
+        super().__init__(list(workers))
+        self.late = late
+
+    def broadcast(self, method: str, *args, **kwargs) -> _Broadcast:
+        if method == "commit_prepared_weights" and self.late not in self.workers:
+            self.workers.append(self.late)
+        return super().broadcast(method, *args, **kwargs)
+
+
+async def test_a_replica_that_comes_up_during_an_update_takes_it_at_its_end(workers):
+    wide = workers[:2]
+    late = make_worker(tiny_model("llama"), "late")
+    try:
+        new_dir = tiny_model("llama", seed=2)
+        admin = WeightAdmin({"colocated": JoiningReplicas(wide, late)})
+        result = await admin.update_weights_from_disk(str(new_dir), "step-2")
+        assert result.ok and sorted(result.updated) == sorted(w.worker_id for w in [*wide, late]), result
+        assert await admin.weight_versions() == {w.worker_id: "step-2" for w in [*wide, late]}
+        expected, _ = hf_greedy(new_dir, PROMPT, MAX_TOKENS)
+        assert await greedy(late) == (expected, "step-2")
+        assert await engine_state(late) == (False, False)
+    finally:
+        late.shutdown()
+
+
 async def test_a_replica_that_fails_to_prepare_is_named_and_no_replica_changes(workers):
     wide, dead = workers[:2], workers[2]
     before = {w.worker_id: await greedy(w) for w in wide}
+    (version,) = {v for _, v in before.values()}
     dead.shutdown()  # its engine is gone: a failure of the replica, not of the folder
     admin = WeightAdmin({"colocated": Replicas(workers)})
     result = await admin.update_weights_from_disk(str(tiny_model("llama", seed=2)), "step-2")
     assert not result.ok and result.updated == [] and list(result.failed) == [dead.worker_id]
     assert result.failed[dead.worker_id].startswith("not prepared: ")
-    assert result.weight_version == "1"  # what every live replica still serves
+    assert result.weight_version == version  # what every live replica still serves
     for worker in wide:
         assert await engine_state(worker) == (False, False)
         assert await greedy(worker) == before[worker.worker_id]
