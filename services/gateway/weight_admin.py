@@ -96,7 +96,8 @@ class WeightAdmin:
         self, path: str, weight_version: str | None = None, pause_mode: str = DEFAULT_UPDATE_PAUSE
     ) -> WeightUpdateResult:
         check_pause_mode(pause_mode)
-        if failed := failures(await self._at_once("prepare_weights_from_disk", path)):
+        prepared = await self._at_once("prepare_weights_from_disk", path)
+        if failed := failures(prepared):
             await self._at_once("discard_prepared_weights")
             if all(is_refusal(error) for error in failed.values()):
                 raise InvalidRequestError("model_path", f"refused by {described(failed)}; no replica changed")
@@ -106,7 +107,8 @@ class WeightAdmin:
             if failed := failures(paused):
                 await self._at_once("discard_prepared_weights")
                 return await self._not_updated(failed, "paused")
-            return await self._commit(sorted(paused), path, weight_version)
+            # The prepared replicas: one that came up since has nothing staged (_catch_up).
+            return await self._commit(sorted(prepared), path, weight_version)
         finally:
             await self._at_once("continue_generation", [w for w, was_paused in paused.items() if was_paused is True])
 
@@ -130,7 +132,8 @@ class WeightAdmin:
 
     async def _catch_up(self, path: str, version: str) -> dict[str, Any]:
         """Replicas that came up while the update ran (after its prepare step, before they
-        could read the record) serve their startup weights: they take the update now."""
+        could read the record) serve their startup weights: they take the update now,
+        unpaused (as "keep": what runs there continues on the new weights)."""
         versions = await self._at_once("weight_version")
         late = sorted(w for w, v in versions.items() if isinstance(v, str) and v != version)
         if not late:

@@ -228,25 +228,27 @@ async def test_an_update_every_replica_takes_is_one_version_and_keeps_a_callers_
 
 
 class JoiningReplicas(Replicas):
-    """Replicas to which Serve adds `late` while an update runs: after its prepare step,
-    before its commits (so it missed both, and the record of the update too)."""
+    """Replicas to which Serve adds `late` while an update runs, just before the step
+    `joins_at` (after the prepare step: it missed that, and the record of the update)."""
 
-    def __init__(self, workers: list[EngineWorker], late: EngineWorker) -> None:
+    def __init__(self, workers: list[EngineWorker], late: EngineWorker, joins_at: str) -> None:
         super().__init__(list(workers))
         self.late = late
+        self.joins_at = joins_at
 
     def broadcast(self, method: str, *args, **kwargs) -> _Broadcast:
-        if method == "commit_prepared_weights" and self.late not in self.workers:
+        if method == self.joins_at and self.late not in self.workers:
             self.workers.append(self.late)
         return super().broadcast(method, *args, **kwargs)
 
 
-async def test_a_replica_that_comes_up_during_an_update_takes_it_at_its_end(workers):
+@pytest.mark.parametrize("joins_at", ["pause_for_update", "commit_prepared_weights"])
+async def test_a_replica_that_comes_up_during_an_update_takes_it_at_its_end(workers, joins_at):
     wide = workers[:2]
     late = make_worker(tiny_model("llama"), "late")
     try:
         new_dir = tiny_model("llama", seed=2)
-        admin = WeightAdmin({"colocated": JoiningReplicas(wide, late)})
+        admin = WeightAdmin({"colocated": JoiningReplicas(wide, late, joins_at)})
         result = await admin.update_weights_from_disk(str(new_dir), "step-2")
         assert result.ok and sorted(result.updated) == sorted(w.worker_id for w in [*wide, late]), result
         assert await admin.weight_versions() == {w.worker_id: "step-2" for w in [*wide, late]}
