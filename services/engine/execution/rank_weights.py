@@ -41,7 +41,7 @@ from ...model.weight_update import (
     weight_bytes,
 )
 from ...model.weights import LoadedWeight, read_all, shape_of
-from .weight_sync import WeightSyncGroup, plan_buckets, receive_buckets
+from .weight_sync import WeightSyncGroup, core_left_for_receiving, plan_buckets, receive_buckets
 
 
 class RankWeights:
@@ -129,15 +129,16 @@ class RankWeights:
         group = self._group(group_name)
         self._check({name: tuple(shape) for name, shape in zip(names, shapes, strict=True)})
         buckets = receive_buckets(group, plan_buckets(names, dtypes, shapes, bucket_bytes))
-        first = next(buckets, [])  # the trainer's plan is checked here, before any write
-        try:
-            self._write(names, itertools.chain([first], buckets))
-        except Exception:
-            # Buckets are written as they arrive: a transfer that breaks part-way leaves
-            # no consistent weights, so they are released (as by sleep(2)) until a
-            # complete update.
-            self.release()
-            raise
+        with core_left_for_receiving(group):
+            first = next(buckets, [])  # the trainer's plan is checked here, before any write
+            try:
+                self._write(names, itertools.chain([first], buckets))
+            except Exception:
+                # Buckets are written as they arrive: a transfer that breaks part-way leaves
+                # no consistent weights, so they are released (as by sleep(2)) until a
+                # complete update.
+                self.release()
+                raise
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

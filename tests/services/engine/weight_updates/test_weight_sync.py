@@ -8,7 +8,13 @@ import pytest
 import torch
 from baton.services.engine import LLM, AsyncLLM, SamplingParams
 from baton.services.engine.errors import EngineSleepingError
-from baton.services.engine.execution.weight_sync import FlatWeights, WeightSyncGroup, as_dtype, plan_buckets
+from baton.services.engine.execution.weight_sync import (
+    FlatWeights,
+    WeightSyncGroup,
+    as_dtype,
+    core_left_for_receiving,
+    plan_buckets,
+)
 from testlib.weight_updates import MAX_TOKENS, PROMPTS, assert_equals_hf, free_port
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
@@ -58,11 +64,19 @@ def test_nccl_without_cuda_is_refused_naming_the_backend(old_dir):
         llm.shutdown()
 
 
-def test_a_gloo_group_receives_into_host_memory_whatever_the_device():
+def test_a_gloo_group_receives_into_host_memory_and_leaves_its_thread_a_core():
     port = free_port()
     group = WeightSyncGroup("127.0.0.1", port, 0, 1, "solo", device="cuda")  # gloo: host buffers
     assert group.device == torch.device("cpu")
-    group.destroy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with core_left_for_receiving(group):  # the writes leave gloo's receiving thread a core
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+        group.destroy()
 
 
 def test_update_from_a_trainer_process_equals_hf(old_dir, tmp_path, trainer_factory):
