@@ -134,3 +134,27 @@ def test_a_write_that_fails_part_way_releases_the_weights(llm, new_dir):
     assert llm.update_weights_from_disk(str(new_dir)) == "1"  # a complete update brings them back
     ids = prompt_ids(llm)
     assert_equals_hf(new_dir, ids, llm.generate(ids, GREEDY))
+
+
+async def test_the_two_phases_through_async_llm(old_dir, new_dir):
+    from baton.services.engine import AsyncLLM
+
+    engine = AsyncLLM.from_kwargs(str(old_dir), num_kv_blocks=64)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+
+    async def generate(tag: str) -> list:
+        return [[o async for o in engine.generate(f"{tag}-{i}", p, GREEDY)][-1] for i, p in enumerate(ids)]
+
+    try:
+        await engine.prepare_weights_from_disk(str(new_dir))
+        await engine.discard_prepared_weights()
+        with pytest.raises(RuntimeError, match="no update is prepared"):
+            await engine.commit_prepared_weights()
+        assert_equals_hf(old_dir, ids, await generate("discarded"))
+        await engine.prepare_weights_from_disk(str(new_dir))
+        assert await engine.commit_prepared_weights(weight_version="v1") == "v1"
+        outputs = await generate("committed")
+        assert_equals_hf(new_dir, ids, outputs)
+        assert {o.weight_version for o in outputs} == {"v1"}
+    finally:
+        engine.shutdown()
