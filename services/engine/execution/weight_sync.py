@@ -28,7 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_BYTES = 64 * 2**20
+# Small enough that a bucket is received while the one before is written (and, on the CPU,
+# below malloc's raised mmap threshold, so buffers come from the heap, not fresh pages); on
+# the bench model 64 MiB buckets made an update about half as fast (docs/benchmarks.md).
+DEFAULT_BUCKET_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
