@@ -355,7 +355,7 @@ class EngineWorker:
             llm = self.llm
             if llm is None:
                 return
-            exporter.export(llm.stats())
+            exporter.export(llm.stats(), self.admission.num_queued)
 
     def _admit(self, call: GenerateCall) -> None:
         """Admission control (workers/admission.py); a shed request never reaches the engine."""
