@@ -72,12 +72,6 @@ def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.
     return out, (new_residual if residual is not None else None)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] (gate, up) -> silu(gate) * up; x contiguous."""
-    require()
-    return torch.ops.baton_cpu.silu_and_mul(x)
-
-
 def rotary_embedding_and_cache(
     positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
 ) -> None:

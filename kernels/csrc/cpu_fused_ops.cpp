@@ -1,12 +1,14 @@
-// Fused element-wise CPU kernels: RMSNorm with the residual add before it, SiLU-and-multiply,
-// and rotary embedding fused with the KV-cache write.
+// Fused element-wise CPU kernels: RMSNorm with the residual add before it, and rotary embedding
+// fused with the KV-cache write.
 //
 // Each replaces a chain of torch ops (kernels/reference.py) that reads and writes the whole
 // activation once per op and pays the dispatcher per op: a decode step of the bench model ran
 // about 1,000 small ops, most of them these chains. Every kernel makes one pass per row and
-// rounds where the reference rounds (a bf16 sum, a bf16 normed value, a bf16 SiLU), so bf16
+// rounds where the reference rounds (a bf16 sum, a bf16 normed value), so bf16
 // and fp16 results equal the reference's up to the order of float additions; the arithmetic
-// itself is float32 for every dtype, as in the references.
+// itself is float32 for every dtype, as in the references. SiLU-and-multiply stays torch's
+// (kernels/ops.py): a fused loop here ran 2.5x slower, its expf not vectorized, where torch's
+// silu uses Sleef's vector exp.
 //
 // Rows are split across threads with at::parallel_for only when there are enough of them to
 // pay for it (kGrainElements per task); a decode step's few rows run on the calling thread.
@@ -101,37 +103,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out, residual_out};
 }
 
-template <typename scalar_t>
-void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
-  const int64_t I = out.size(-1), rows = out.numel() / I;
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* gate = xp + r * 2 * I;
-      const scalar_t* up = gate + I;
-      scalar_t* o = op + r * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float silu = round_to<scalar_t>(g / (1.f + std::exp(-g)));
-        o[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
-      }
-    }
-  });
-}
-
-// [..., 2I] (gate, then up) -> [..., I]: silu(gate) * up.
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "silu_and_mul needs a contiguous CPU tensor");
-  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: the last dimension (", x.size(-1), ") must be even");
-  auto sizes = x.sizes().vec();
-  sizes.back() /= 2;
-  auto out = at::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul",
-                                  [&] { silu_and_mul_rows<scalar_t>(x, out); });
-  return out;
-}
-
 // Neox-style rotation of one head's [D] values with this position's cos/sin halves.
 template <typename scalar_t>
 inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half, scalar_t* copy_to) {
@@ -220,13 +191,11 @@ void rotary_embedding_and_cache(const at::Tensor& positions, at::Tensor query, a
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
 }

@@ -1,13 +1,13 @@
 """The fused C++ CPU kernels (kernels/csrc/cpu_fused_ops.cpp) against their torch references,
-over dtypes and shapes, and how `ops` picks them: RMSNorm with the residual add,
-SiLU-and-multiply, rotary embedding fused with the KV-cache write."""
+over dtypes and shapes, and how `ops` picks them: RMSNorm with the residual add and rotary
+embedding fused with the KV-cache write."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from baton.kernels import cpu_ops, ops
-from baton.kernels.reference import reshape_and_cache_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from baton.kernels.reference import reshape_and_cache_ref, rms_norm_ref, rotary_embedding_ref
 from baton.services.model.rotary import RotaryEmbedding
 from testlib.kernel_sweep import ALL_DTYPE_IDS, ALL_DTYPES
 
@@ -60,16 +60,10 @@ def test_rms_norm_keeps_leading_dimensions_and_ops_falls_back_for_strided_input(
         cpu_ops.rms_norm(x, randn(32, dtype=torch.float32), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
-@pytest.mark.parametrize("rows", ROWS, ids=IDS)
-@pytest.mark.parametrize("size", [1536, 40], ids=lambda i: f"i{i}")
-def test_silu_and_mul_matches_the_reference(dtype, rows, size):
-    x = randn(rows, 2 * size, dtype=dtype) * 4  # well into silu's tails
-    close(cpu_ops.silu_and_mul(x), silu_and_mul_ref(x))
-    close(ops.silu_and_mul(x), silu_and_mul_ref(x))
-    close(ops.silu_and_mul(x, impl="torch"), silu_and_mul_ref(x))
-    with pytest.raises(RuntimeError, match="even"):
-        cpu_ops.silu_and_mul(randn(2, 7, dtype=dtype))
+def test_silu_and_mul_is_torchs_silu_times_up():
+    x = randn(3, 80, dtype=torch.float32) * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
 
 
 def rope_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, num_slots=64):
