@@ -62,8 +62,9 @@ class RouterCounters:
     num_cached_blocks: int = 0  # of which the chosen worker held (as the index saw it)
 
 
-# How long a retired worker's heartbeats stay refused: longer than any replica's drain.
-RETIRED_TTL_S = 3600.0
+# How long a retired worker's heartbeats stay refused: longer than a replica's drain (Helm's
+# grace period is 35 s), and short enough that a replica retired by mistake is back soon.
+RETIRED_TTL_S = 600.0
 
 
 class PrefixRouter:

@@ -72,7 +72,8 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         current = {replica_id.to_full_id_str() for replica_id in self.curr_replicas}
-        self._retire(self._known - current)
+        if current:  # an empty set is no drain to act on (nothing else to route to), only a risk
+            self._retire(self._known - current)
         self._known = current
 
     def on_replica_actor_died(self, replica_id) -> None:

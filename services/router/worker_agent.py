@@ -59,7 +59,7 @@ class WorkerAgent:
         self.availability = Availability(f"worker {info.worker_id}", self.config.reconnect_interval_s)
         self.counters = AgentCounters()
         self.is_superseded = False  # a later epoch of this worker registered: this process stops reporting
-        self.is_retired = False  # a router retired it (its replica drains or is gone): it stops reporting
+        self.is_retired = False  # a router retired it (its replica drains): heartbeats only, until it expires
         self._load_source: LoadSource = WorkerLoad
         self._stop = threading.Event()
         self._heartbeat_now = False
@@ -152,6 +152,7 @@ class WorkerAgent:
         self.counters.num_heartbeats += 1
         if self.availability.record_success():
             self._resync("reconnect")
+        was_retired, self.is_retired = self.is_retired, result is HeartbeatResult.RETIRED
         if result is HeartbeatResult.REGISTERED:
             self.counters.num_registrations += 1
             self._resync("registered")
@@ -160,9 +161,12 @@ class WorkerAgent:
             self.is_superseded = True
             self._stop.set()
         elif result is HeartbeatResult.RETIRED:
-            logger.info("worker %s: retired by a router (draining); no longer reporting", self.info.worker_id)
-            self.is_retired = True
-            self._stop.set()
+            # Draining (or retired by mistake): events wait for the snapshot a later
+            # registration asks for; heartbeats go on, so the worker is back if it outlives
+            # its tombstone.
+            if not was_retired:
+                logger.info("worker %s: retired by a router (draining); not reporting events", self.info.worker_id)
+            self.publisher.invalidate()
 
     def _drain(self, deadline: float) -> None:
         """Sends buffered work until the buffer is empty or the next heartbeat is due."""

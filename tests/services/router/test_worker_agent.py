@@ -140,6 +140,20 @@ def test_a_retired_worker_stops_reporting_and_stays_out(config, workers):
     assert agent.metrics()["retired"] == 1 and agent.counters.num_registrations == 1
 
 
+def test_a_worker_that_outlives_its_tombstone_registers_again_with_its_blocks(config, workers):
+    """A replica retired by mistake (alive, still in Serve's set) is back once the tombstone
+    expires: the agent kept heartbeating, and the registration resyncs its blocks."""
+    agent, engine = workers.start(config, "a")
+    index = make_index(config)
+    engine.prefill(PROMPT)
+    wait_until(lambda: in_sync(index, agent, engine), what="events")
+    index.retire(agent.info.worker_id, 1.0)
+    wait_until(lambda: agent.is_retired, what="the agent to stand down")
+    wait_until(lambda: agent.counters.num_registrations >= 2, timeout_s=10, what="a registration after the tombstone")
+    wait_until(lambda: in_sync(index, agent, engine) and index.cached_blocks(agent.info.worker_id), what="resync")
+    assert not agent.is_retired
+
+
 def test_close_deregisters_and_a_crash_expires(config, workers):
     index = make_index(config)
     clean, _ = workers.start(config, "clean")
