@@ -262,11 +262,13 @@ def test_a_burst_of_long_prompts_scales_prefill_and_not_decode(deployment, clien
         scale_up_s = decided_s + replicas.wait("prefill", 2, SCALE_UP_WITHIN_S)
         before = registered(deployment, "prefill", 2)
     finally:
+        # The load ends when no new prompt is sent: the queued ones drain during stop(), and
+        # the policy's downscale delay runs from when its signal fell, while they drain.
+        ended = time.monotonic()
         burst.stop()
     assert not burst.errors, burst.errors[:3]
     assert replicas.max_since("decode", start) == 1
     assert desired == 2 and queued > 0, (desired, queued)
-    ended = time.monotonic()
     scale_down_s = replicas.wait("prefill", 1, SCALE_DOWN_WITHIN_S)
     assert replicas.max_since("decode", start) == 1
     wait_for_router_workers(deployment, "prefill", 1)
