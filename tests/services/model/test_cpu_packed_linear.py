@@ -28,9 +28,28 @@ def test_packed_linear_equals_f_linear(rows):
     assert torch.equal(dense_weight(packed), weight)
 
 
-def test_only_float32_cpu_weights_are_packed():
-    assert pack_weight_for_cpu(torch.randn(8, 8, dtype=torch.bfloat16)) is None
-    assert pack_weight_for_cpu(torch.randn(8, 8, dtype=torch.float16)) is None
+@pytest.mark.parametrize(
+    ("dtype", "supported"),
+    [
+        (torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported),
+        (torch.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported),
+    ],
+)
+def test_half_precision_weights_are_packed_where_the_cpu_multiplies_them(dtype, supported):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    packed = pack_weight_for_cpu(weight)
+    if not supported():
+        assert packed is None
+        return
+    assert packed.layout == torch._mkldnn and torch.equal(dense_weight(packed), weight)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 40, generator=gen).to(dtype)
+        torch.testing.assert_close(linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_integer_weights_are_not_packed():
+    assert pack_weight_for_cpu(torch.ones(8, 8, dtype=torch.int8)) is None
 
 
 def test_the_engine_packs_every_linear_and_keeps_the_tied_embedding_dense(qwen3_dir):
