@@ -23,7 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode_attention.cpp", "cpu_fused_ops.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_paged_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_int8_linear.cpp")
+]
 # -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
 # online softmax starts from -inf), hence -fno-finite-math-only.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]

@@ -31,6 +31,12 @@ class ModelConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Context limit (prompt + output); defaults to the model's own"
     )
+    quantization: Literal["int8"] | None = Field(
+        None,
+        description="int8: weight-only int8 linear layers and LM head (symmetric, one scale per output channel), "
+        "float checkpoints quantized at load; None: as the checkpoint stores them (a compressed-tensors "
+        "W8A16 checkpoint loads int8, model/compressed_tensors.py). Activations keep `dtype`",
+    )
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded requests)")
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for")
 

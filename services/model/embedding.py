@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .int8_linear import Int8Weight
 from .linear import CpuPackable, _param, linear, pack_weight_for_cpu
 from .parallel import TPGroup
 from .weights import LoadedWeight, copy_into, narrow, shape_of
@@ -53,11 +54,23 @@ class ParallelLMHead(VocabParallelEmbedding, CpuPackable):
         self.packed_weight = pack_weight_for_cpu(self.weight)
         return self.packed_weight is not None
 
+    def quantize(self, impl: str) -> bool:
+        """An int8 copy, as `pack_for_cpu`'s: the dense weight stays for a tied embedding."""
+        scale = self._parameters.pop("weight_scale", None)  # staged by compressed_tensors.py
+        self.int8 = Int8Weight.from_float(self.weight, impl, None if scale is None else scale.view(-1))
+        if scale is not None:
+            self.weight.data = self.int8.dequantize()  # it held the file's integers
+        return True
+
     def unpack_for_loading(self, keep_values: bool = True) -> None:
         self.packed_weight = None  # stale once the dense weight changes; repacked after loading
+        self.int8 = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
+        if self.int8 is not None:
+            logits = self.int8(hidden)
+        else:
+            logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
 

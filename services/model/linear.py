@@ -11,6 +11,10 @@ natively (AMX on an Intel Xeon: the 512x3072 gate/up projection takes 0.86 ms fo
 packed, 1.0 ms through F.linear, 5.5 ms in float32; 124 vs 186 us at 8 rows). The repacked
 tensor replaces the dense weight, so memory does not grow; `dense_weight` turns it back for
 whoever reads weights.
+
+With quantization "int8" (int8_linear.py) the same step quantizes each layer instead: the
+int8 blocks replace the float weight, and unpacking for a weight update dequantizes, so an
+update's float values are re-quantized when the layer is repacked.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_tuning import pad_rows_for_onednn
+from .int8_linear import Int8Weight
 from .parallel import TPGroup
 from .weights import LoadedWeight, copy_into, narrow, read_all, shape_of
 
@@ -68,10 +73,19 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class CpuPackable(ABC):
     """A layer whose weight may be repacked for oneDNN once loaded, and unpacked again so a
-    weight update can write into it through the same weight loader."""
+    weight update can write into it through the same weight loader. An int8 layer
+    (`is_int8`) is quantized instead of packed, every time it is repacked."""
+
+    is_int8 = False
+    int8: Int8Weight | None = None  # the quantized weight while packed
 
     @abstractmethod
     def pack_for_cpu(self) -> bool: ...
+
+    @abstractmethod
+    def quantize(self, impl: str) -> bool:
+        """int8 from the dense weight (and the `weight_scale` a pre-quantized checkpoint
+        staged: compressed_tensors.py)."""
 
     @abstractmethod
     def unpack_for_loading(self, keep_values: bool = True) -> None:
@@ -85,13 +99,22 @@ def packable_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, CpuPackable)]
 
 
-def process_weights_after_loading(model: nn.Module, impl: str, modules: Iterable[nn.Module] | None = None) -> int:
+def process_weights_after_loading(
+    model: nn.Module, impl: str, modules: Iterable[nn.Module] | None = None, quantization: str | None = None
+) -> int:
     """Repacks the linear layers' CPU weights for oneDNN (impl "auto" or "cpp"; "torch"
     keeps the plain F.linear reference): all of them, or just `modules` (those a weight
-    update unpacked). Returns how many weights it repacked."""
-    if impl not in ("auto", "cpp"):
-        return 0
-    return sum(module.pack_for_cpu() for module in (packable_modules(model) if modules is None else modules))
+    update unpacked). Quantization "int8" makes every layer int8 from now on; a layer that
+    staged a checkpoint's int8 scales is int8 too. Returns how many weights it repacked."""
+    modules = packable_modules(model) if modules is None else list(modules)
+    count = 0
+    for module in modules:
+        module.is_int8 = module.is_int8 or quantization == "int8" or "weight_scale" in module._parameters
+        if module.is_int8:
+            count += module.quantize(impl)
+        elif impl in ("auto", "cpp"):
+            count += module.pack_for_cpu()
+    return count
 
 
 def _pack_parameter(module: nn.Module) -> bool:
@@ -102,10 +125,23 @@ def _pack_parameter(module: nn.Module) -> bool:
     return True
 
 
+def _quantize_parameter(module: nn.Module, impl: str) -> bool:
+    """The int8 blocks replace the float weight (a parameter still: its bytes are counted)."""
+    scale = module._parameters.pop("weight_scale", None)  # staged by compressed_tensors.py
+    module.int8 = Int8Weight.from_float(module.weight, impl, None if scale is None else scale.view(-1))
+    module.weight = nn.Parameter(module.int8.values, requires_grad=False)
+    return True
+
+
 def _unpack_parameter(module: nn.Module, keep_values: bool) -> None:
     """Back to a dense parameter with its loader (the packed one has neither)."""
     weight = module.weight
-    if weight.layout == torch._mkldnn:
+    if module.int8 is not None:
+        int8, module.int8 = module.int8, None
+        dense = int8.dequantize() if keep_values else torch.empty(int8.shape, dtype=int8.dtype, device=weight.device)
+        module.weight = nn.Parameter(dense, requires_grad=False)
+        module.weight.weight_loader = module.weight_loader
+    elif weight.layout == torch._mkldnn:
         dense = weight.to_dense() if keep_values else torch.empty(weight.shape, dtype=weight.dtype)
         module.weight = nn.Parameter(dense, requires_grad=False)
         module.weight.weight_loader = module.weight_loader
@@ -150,10 +186,15 @@ class ColumnParallelLinear(nn.Module, CpuPackable):
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
 
+    def quantize(self, impl: str) -> bool:
+        return _quantize_parameter(self, impl)
+
     def unpack_for_loading(self, keep_values: bool = True) -> None:
         _unpack_parameter(self, keep_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -225,9 +266,12 @@ class RowParallelLinear(nn.Module, CpuPackable):
     def pack_for_cpu(self) -> bool:
         return _pack_parameter(self)
 
+    def quantize(self, impl: str) -> bool:
+        return _quantize_parameter(self, impl)
+
     def unpack_for_loading(self, keep_values: bool = True) -> None:
         _unpack_parameter(self, keep_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight) if self.int8 is None else self.int8(x))
         return y if self.bias is None else y + self.bias

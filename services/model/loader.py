@@ -62,12 +62,15 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, LoadedWeight]]
             raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from e
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> CheckpointLayout:
+def load_weights(
+    model: nn.Module, model_dir: str | Path, tensors: Iterable[tuple[str, LoadedWeight]] | None = None
+) -> CheckpointLayout:
+    """The folder's tensors, or `tensors` read from it (compressed_tensors.py converts them)."""
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in iter_checkpoint(model_dir) if tensors is None else tensors:
         try:
             filled = load_tensor(model, params, name, tensor)
         except ModelLoadError as e:

@@ -90,6 +90,7 @@ class ModelRank:
             tp=self.tp,
             connector=self.connector,
             hidden_states=HIDDEN_STATES_FOR.get(self.config.speculative.method),
+            quantization=self.config.model.quantization,
         )
         self.weights = RankWeights(
             self.runner.model, self.arch, self.runner.checkpoint_layout, self.config.runner.kernel_backend, self.rank

@@ -28,9 +28,9 @@ from baton.kernels.ops import KernelImpl
 
 from ...kv_transfer.connector import KVConnector
 from ...model.attention import AttentionMetadata, PagedAttentionBackend
+from ...model.compressed_tensors import load_quantized_weights
 from ...model.config import ModelArch
 from ...model.linear import process_weights_after_loading
-from ...model.loader import load_weights
 from ...model.parallel import TPGroup
 from ...model.registry import create_model
 from ..api.sampling_params import SamplingParams
@@ -82,6 +82,7 @@ class ModelRunner:
         tp: TPGroup,
         connector: KVConnector | None = None,
         hidden_states: HiddenStatesMode | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.arch = arch
         self.hidden_states = hidden_states
@@ -93,8 +94,8 @@ class ModelRunner:
         _prepare_cpu_kernels(kernel_impl, device)
         backend = PagedAttentionBackend(kernel_impl)
         self.model = create_model(arch, backend, tp, dtype, device, kernel_impl)
-        self.checkpoint_layout = load_weights(self.model, model_dir)  # what weight updates must match
-        process_weights_after_loading(self.model, kernel_impl)
+        self.checkpoint_layout = load_quantized_weights(self.model, model_dir)  # what weight updates must match
+        process_weights_after_loading(self.model, kernel_impl, quantization=quantization)
         self.model.eval()
         self.sampler = Sampler(arch.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}

@@ -1,0 +1,106 @@
+"""Weight-only int8: symmetric, one float32 scale per output channel.
+
+    q = round(w / s).clamp(-128, 127),  s = max|w[n, :]| / 127     (quantize_int8)
+    y = (x q^T) * s + b                                             (Int8Weight.__call__)
+
+Activations stay in the model's dtype (computed in float32 on the CPU); only the weights
+are int8, a quarter of float32's bytes, which is what a decode step reads. On the CPU the
+multiply is kernels/csrc/cpu_int8_linear.cpp (int8 widened in registers; the weight in
+blocks of 64 channels, `pack_int8_blocks`); elsewhere, or with kernel_backend "torch",
+`int8_linear_ref` (the reference the kernel is tested against).
+
+Checkpoints of other tools carry their own scales (compressed_tensors.py): `quantize_int8`
+then takes the given scale and integer-valued weights as they are, so the int8 values are
+exactly the file's, -128 included (llm-compressor's min-max observer divides by 127.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from baton.kernels import cpu_ops
+
+BLOCK = 64  # output channels per packed block (cpu_int8_linear.cpp)
+
+
+def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N]) of a [N, K] weight; with `scale` given the weight
+    already holds the integer values (a pre-quantized checkpoint's) and is only cast."""
+    w = weight.detach().float()
+    if scale is None:
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+        w = w / scale[:, None]
+    q = torch.round(w).clamp_(-128, 127).to(torch.int8)
+    return q, scale.detach().float().reshape(-1).contiguous()
+
+
+def int8_linear_ref(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference: (x q^T) * scale + bias in x's dtype (int8 values are exact in bf16)."""
+    y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def pack_int8_blocks(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/64), K, 64]: packed[b, k, c] = q[64 b + c, k], zero rows past N."""
+    num_out, num_in = q.shape
+    num_blocks = -(-num_out // BLOCK)
+    padded = q.new_zeros(num_blocks * BLOCK, num_in)
+    padded[:num_out] = q
+    return padded.view(num_blocks, BLOCK, num_in).transpose(1, 2).contiguous()
+
+
+def unpack_int8_blocks(packed: torch.Tensor, num_out: int) -> torch.Tensor:
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:num_out]
+
+
+def uses_int8_kernel(device: torch.device, impl: str) -> bool:
+    """The C++ kernel on the CPU for impl auto (where it builds) and cpp (required)."""
+    if device.type != "cpu" or impl not in ("auto", "cpp"):
+        return False
+    if impl == "cpp":
+        cpu_ops.require()
+        return True
+    return cpu_ops.available()
+
+
+@dataclass(slots=True, eq=False)
+class Int8Weight:
+    """One layer's int8 weight; `values` is [N, K], or the kernel's blocks where `blocked`."""
+
+    values: torch.Tensor
+    scale: torch.Tensor  # float32 [N]
+    shape: tuple[int, int]  # [N, K] of the float weight
+    dtype: torch.dtype  # the float weight's, for dequantize and the output
+    blocked: bool
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, impl: str, scale: torch.Tensor | None = None) -> Int8Weight:
+        q, scale = quantize_int8(weight, scale)
+        blocked = uses_int8_kernel(weight.device, impl)
+        values = pack_int8_blocks(q) if blocked else q
+        return cls(values, scale.to(weight.device), tuple(weight.shape), weight.dtype, blocked)
+
+    @property
+    def int8_values(self) -> torch.Tensor:
+        """[N, K] int8."""
+        return unpack_int8_blocks(self.values, self.shape[0]) if self.blocked else self.values
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.int8_values.float() * self.scale[:, None]).to(self.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.values.numel() + self.scale.numel() * 4
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.blocked:
+            return int8_linear_ref(x, self.values, self.scale, bias)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        y = torch.ops.baton_cpu.int8_linear(rows, self.values, self.scale, b, self.shape[0])
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
