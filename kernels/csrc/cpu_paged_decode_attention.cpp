@@ -1,14 +1,24 @@
 // Paged decode attention on the CPU, reading the KV cache in place.
 //
 // One query token per request against its whole paged context, like the Triton kernel and
-// the torch reference (kernels/reference.py), without gathering the context first. A
-// request is one task of at::parallel_for: it walks its block table once, block by block;
-// a block of the cache ([block_size, H_kv, D]) is contiguous, so each block is one run of
-// memory for K and one for V, and the next block's runs are prefetched while this one is
-// computed (blocks sit anywhere in the cache: the hardware prefetcher does not follow the
-// table). Each query head keeps an online softmax (running max, running sum, weighted
-// values) in float32, whatever the cache dtype. Query heads h * G .. h * G + G - 1 share
-// KV head h (GQA), so a K/V row is loaded once for its G query heads.
+// the torch reference (kernels/reference.py), without gathering the context first. A task
+// is one (request, KV head): the query heads h * G .. h * G + G - 1 that share KV head h
+// (GQA) walk the request's block table together, so each K/V row is loaded once for all of
+// them. Threads take tasks from a shared counter, so requests of very different lengths
+// still keep both cores busy, and a batch of one request still splits across its KV heads.
+// Blocks sit anywhere in the cache, where the hardware prefetcher does not follow, so the
+// next block's rows are prefetched while this one is computed. Each query head keeps an
+// online softmax (running max, running sum, weighted values) in float32, whatever the
+// cache dtype.
+//
+// Head sizes 64, 128 and 256 run a vector path (GCC vector types: AVX-512 here, split into
+// narrower registers where the CPU has none): the weighted values of up to 256 / D query
+// heads stay in registers across the whole context, the block's dot products are reduced
+// 16 at a time by a transposing tree of adds, and the softmax's exp is vec_math.h's. On
+// the bench model's shape (64 requests, 8 query / 4 KV heads of 64, contexts 16-780) that
+// path took 2.0 ms per layer in float32 and 1.5 ms in bfloat16 where a per-head scalar
+// loop took 2.5 and 1.8 (2 threads), bounded by the cache's bytes in float32. Other head
+// sizes run the scalar loop (`decode_scalar`).
 //
 // Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension) and registered as
 // torch.ops.baton_cpu.paged_decode_attention.
@@ -19,20 +29,213 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
-// kHeadDim > 0 fixes the head size at compile time (fully unrolled vector loops); 0 reads
-// it from the tensors.
-template <typename scalar_t, int64_t kHeadDim>
-void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+// ---- the vector path ----
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vfloat broadcast(float x) { return vfloat{} + x; }
+
+// kLanes consecutive values of the cache's dtype, as float32: a bfloat16 is the top half of
+// a float32's bits; float16 converts one value at a time (the compiler vectorizes it where
+// the CPU has F16C).
+template <typename scalar_t>
+inline vfloat load_row(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    vfloat v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+    vu16 raw;
+    std::memcpy(&raw, p, sizeof(raw));
+    vint bits = __builtin_convertvector(raw, vint) << 16;
+    vfloat v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  } else {
+    float tmp[kLanes];
+    for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+    vfloat v;
+    std::memcpy(&v, tmp, sizeof(v));
+    return v;
+  }
+}
+
+// The lane sums of v[0..15], as one vector: a transposing tree of adds (15 adds for 16 sums,
+// where reducing each vector alone costs four dependent shuffle-adds per sum).
+inline vfloat sum_lanes16(const vfloat* v) {
+  vfloat l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)
+    l1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    l3[i] = __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// C query heads of one request (qf: their scaled queries, all sharing KV head h) against the
+// whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
+// the normalized outputs to out.
+template <typename scalar_t, int D, int C>
+void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                  int64_t len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t h,
+                  vfloat* dots, float* scores, float* out) {
+  constexpr int V = D / kLanes;
+  const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+  vfloat acc[C][V];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < V; ++j) acc[c][j] = vfloat{};
+  float run_max[C], run_sum[C];
+  for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
+  constexpr int64_t row_bytes = D * sizeof(scalar_t);
+  for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
+    const int64_t n = std::min(block_size, len - first);
+    const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
+    if (first + block_size < len) {
+      const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_stride + h * D;
+      const int64_t rows = std::min(block_size, len - first - block_size);
+      for (int64_t t = 0; t < rows; ++t) {  // one prefetch per 128 B: the CPU fetches line pairs
+        const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
+        const char* nv = reinterpret_cast<const char*>(v_cache + next + t * row_stride);
+        for (int64_t off = 0; off < row_bytes; off += 128) {
+          __builtin_prefetch(nk + off);
+          __builtin_prefetch(nv + off);
+        }
+      }
+    }
+    // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* k = k_cache + base + t * row_stride;
+      vfloat kv[V];
+      for (int j = 0; j < V; ++j) kv[j] = load_row(k + j * kLanes);
+      for (int c = 0; c < C; ++c) {
+        vfloat dot = vfloat{};
+        for (int j = 0; j < V; ++j) {
+          vfloat qv;
+          std::memcpy(&qv, qf + c * D + j * kLanes, sizeof(qv));
+          dot += qv * kv[j];
+        }
+        dots[c * padded + t] = dot;
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
+      for (int64_t t = 0; t < n; t += kLanes) {
+        const vfloat sums = sum_lanes16(dots + c * padded + t);
+        std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
+      }
+    }
+    // online softmax: rescale what came before to the new running max
+    for (int c = 0; c < C; ++c) {
+      float* __restrict__ s = scores + c * padded;
+      float new_max = run_max[c];
+      for (int64_t t = 0; t < n; ++t) new_max = std::max(new_max, s[t]);
+      const float correction = std::exp(run_max[c] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = baton_cpu::exp_approx(s[t] - new_max);
+        sum += s[t];
+      }
+      run_max[c] = new_max;
+      run_sum[c] = run_sum[c] * correction + sum;
+      const vfloat corr = broadcast(correction);
+      for (int j = 0; j < V; ++j) acc[c][j] *= corr;
+    }
+    // acc_c += sum_t p_c,t v_t
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* v = v_cache + base + t * row_stride;
+      vfloat vv[V];
+      for (int j = 0; j < V; ++j) vv[j] = load_row(v + j * kLanes);
+      for (int c = 0; c < C; ++c) {
+        const vfloat p = broadcast(scores[c * padded + t]);
+        for (int j = 0; j < V; ++j) acc[c][j] += p * vv[j];
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const vfloat inv = broadcast(run_sum[c] > 0.f ? 1.f / run_sum[c] : 0.f);
+    for (int j = 0; j < V; ++j) {
+      vfloat r = acc[c][j] * inv;
+      std::memcpy(out + c * D + j * kLanes, &r, sizeof(r));
+    }
+  }
+}
+
+// attend_heads for c (1 <= c <= C) heads, C fixed at compile time
+template <typename scalar_t, int D, int C, typename... Args>
+void attend_chunk(int64_t c, Args... args) {
+  if constexpr (C > 1) {
+    if (c < C) return attend_chunk<scalar_t, D, C - 1>(c, args...);
+  }
+  attend_heads<scalar_t, D, C>(args...);
+}
+
+template <typename scalar_t, int D>
+void decode_vector(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_reqs = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t row_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * row_stride;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  constexpr int kChunk = std::max(1, 256 / D);  // query heads per pass: 16 accumulators, half the registers
+  const int64_t num_tasks = num_reqs * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+    std::vector<float> qf(group * D), res(group * D), scores(kChunk * padded);
+    std::vector<vfloat> dots(kChunk * padded);
+    for (int64_t task = next_task.fetch_add(1); task < num_tasks; task = next_task.fetch_add(1)) {
+      const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
+      const int32_t* table = tables + r * max_blocks;
+      const scalar_t* qr = q + (r * num_heads + h * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * fscale;
+      for (int64_t g = 0; g < group; g += kChunk) {
+        attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, k_cache, v_cache,
+                                          table, static_cast<int64_t>(lens[r]), block_size, block_stride, row_stride, h,
+                                          dots.data(), scores.data(), res.data() + g * D);
+      }
+      scalar_t* orow = o + (r * num_heads + h * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) orow[i] = static_cast<scalar_t>(res[i]);
+    }
+  });
+}
+
+// ---- the scalar loop, for head sizes without a vector path: one task per request ----
+template <typename scalar_t>
+void decode_scalar(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const int64_t num_reqs = query.size(0), num_heads = query.size(1);
-  const int64_t D = kHeadDim > 0 ? kHeadDim : query.size(2);
+  const int64_t D = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -146,9 +349,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
     switch (query.size(2)) {
-      case 64: decode<scalar_t, 64>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-      case 128: decode<scalar_t, 128>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-      default: decode<scalar_t, 0>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+      case 64: decode_vector<scalar_t, 64>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+      case 128: decode_vector<scalar_t, 128>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+      case 256: decode_vector<scalar_t, 256>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+      default: decode_scalar<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
     }
   });
   return out;

@@ -9,7 +9,12 @@ import pytest
 import torch
 from baton.kernels import cpu_ops, ops
 from baton.kernels.reference import paged_decode_attention_ref
-from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
+from testlib.kernel_sweep import (
+    ATTENTION_DTYPE_IDS,
+    ATTENTION_DTYPES,
+    OTHER_ATTENTION_SHAPE_IDS,
+    OTHER_ATTENTION_SHAPES,
+)
 
 
 def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype):
@@ -35,6 +40,24 @@ def test_the_kernels_build_on_this_machine():
 def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
     seq_lens = [1, 7, block_size, block_size + 3, 3 * block_size - 1, 100, 301]
     run_and_check(paged_context, heads_view, check, seq_lens, 2, group, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize(
+    ("head_dim", "group", "num_kv_heads", "block_size"), OTHER_ATTENTION_SHAPES, ids=OTHER_ATTENTION_SHAPE_IDS
+)
+def test_other_shapes_match_reference(
+    paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype
+):
+    seq_lens = [1, block_size + 1, 2 * block_size, 257]
+    run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 6), (128, 3), (256, 3)], ids=lambda v: str(v))
+def test_groups_that_split_into_uneven_passes(paged_context, heads_view, check, head_dim, group):
+    """The vector path takes 256 / head_dim query heads per pass over the context: a group
+    that does not divide into passes ends with a shorter one."""
+    run_and_check(paged_context, heads_view, check, [1, 33, 300], 2, group, head_dim, 16, torch.float32)
 
 
 def test_float16(paged_context, heads_view, check):
