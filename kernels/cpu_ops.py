@@ -75,6 +75,12 @@ def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.
     return out, (new_residual if residual is not None else None)
 
 
+def silu_and_mul(x) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> silu(gate) * up, as `reference.silu_and_mul_ref`; x contiguous."""
+    require()
+    return torch.ops.baton_cpu.silu_and_mul(x)
+
+
 def rotary_embedding_and_cache(
     positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
 ) -> None:

@@ -1,14 +1,13 @@
-// Fused element-wise CPU kernels: RMSNorm with the residual add before it, and rotary embedding
-// fused with the KV-cache write.
+// Fused element-wise CPU kernels: RMSNorm with the residual add before it, rotary embedding
+// fused with the KV-cache write, and SiLU-and-multiply.
 //
 // Each replaces a chain of torch ops (kernels/reference.py) that reads and writes the whole
 // activation once per op and pays the dispatcher per op: a decode step of the bench model ran
 // about 1,000 small ops, most of them these chains. Every kernel makes one pass per row and
 // rounds where the reference rounds (a bf16 sum, a bf16 normed value), so bf16
 // and fp16 results equal the reference's up to the order of float additions; the arithmetic
-// itself is float32 for every dtype, as in the references. SiLU-and-multiply stays torch's
-// (kernels/ops.py): a fused loop here ran 2.5x slower, its expf not vectorized, where torch's
-// silu uses Sleef's vector exp.
+// itself is float32 for every dtype, as in the references. SiLU-and-multiply's exp is
+// vec_math.h's (glibc's expf made a fused loop 2.5x slower than torch's two ops).
 //
 // Rows are split across threads with at::parallel_for only when there are enough of them to
 // pay for it (kGrainElements per task); a decode step's few rows run on the calling thread.
@@ -27,55 +26,58 @@
 #include <optional>
 #include <tuple>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 16;
 
 int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
 
-// Rounds a float32 value to scalar_t and back: where the reference stores an intermediate in
-// the tensor's dtype, so does this (a no-op for float32).
-template <typename scalar_t>
-inline float round_to(float v) {
-  return static_cast<float>(static_cast<scalar_t>(v));
-}
+using baton_cpu::from_float;
+using baton_cpu::raw;
+using baton_cpu::round_to;
+using baton_cpu::to_float;
 
 template <typename scalar_t>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor* residual,
                    at::Tensor& out, at::Tensor* residual_out) {
   const int64_t H = x.size(-1), rows = x.numel() / H;
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  const scalar_t* wp = weight.data_ptr<scalar_t>();
-  const scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
-  scalar_t* op = out.data_ptr<scalar_t>();
-  scalar_t* rop = residual_out ? residual_out->data_ptr<scalar_t>() : nullptr;
+  const auto* xp = raw(x.data_ptr<scalar_t>());
+  const auto* wp = raw(weight.data_ptr<scalar_t>());
+  const auto* rp = residual ? raw(residual->data_ptr<scalar_t>()) : nullptr;
+  auto* op = raw(out.data_ptr<scalar_t>());
+  auto* rop = residual_out ? raw(residual_out->data_ptr<scalar_t>()) : nullptr;
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = xp + r * H;
-      const scalar_t* src = xr;  // what is normed: x, or x + residual in x's dtype
+      const auto* xr = xp + r * H;
+      const auto* src = xr;  // what is normed: x, or x + residual in x's dtype
       float sum_sq = 0.f;
       if (rp != nullptr) {
-        const scalar_t* rr = rp + r * H;
-        scalar_t* ro = rop + r * H;
+        const auto* rr = rp + r * H;
+        auto* ro = rop + r * H;
+#pragma omp simd reduction(+ : sum_sq)
         for (int64_t i = 0; i < H; ++i) {
-          const scalar_t s = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          const auto s = from_float<scalar_t>(to_float<scalar_t>(xr[i]) + to_float<scalar_t>(rr[i]));
           ro[i] = s;
-          const float v = static_cast<float>(s);
+          const float v = to_float<scalar_t>(s);
           sum_sq += v * v;
         }
         src = ro;
       } else {
+#pragma omp simd reduction(+ : sum_sq)
         for (int64_t i = 0; i < H; ++i) {
-          const float v = static_cast<float>(xr[i]);
+          const float v = to_float<scalar_t>(xr[i]);
           sum_sq += v * v;
         }
       }
       const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(H) + feps);
-      scalar_t* o = op + r * H;
+      auto* o = op + r * H;
+#pragma omp simd
       for (int64_t i = 0; i < H; ++i) {
-        const float normed = round_to<scalar_t>(static_cast<float>(src[i]) * inv);
-        o[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * normed);
+        const float normed = round_to<scalar_t>(to_float<scalar_t>(src[i]) * inv);
+        o[i] = from_float<scalar_t>(to_float<scalar_t>(wp[i]) * normed);
       }
     }
   });
@@ -101,6 +103,40 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                             residual ? &residual_out : nullptr);
   });
   return {out, residual_out};
+}
+
+template <typename scalar_t>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t I = out.size(-1), rows = out.numel() / std::max<int64_t>(1, I);
+  const auto* xp = raw(x.data_ptr<scalar_t>());
+  auto* op = raw(out.data_ptr<scalar_t>());
+  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const auto* __restrict__ gate = xp + r * 2 * I;
+      const auto* __restrict__ up = gate + I;
+      auto* __restrict__ o = op + r * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = to_float<scalar_t>(gate[i]);
+        const float silu = round_to<scalar_t>(g / (1.f + baton_cpu::exp_approx(-g)));
+        o[i] = from_float<scalar_t>(silu * to_float<scalar_t>(up[i]));
+      }
+    }
+  });
+}
+
+// [..., 2I] (gate, then up) -> silu(gate) * up [..., I], rounding silu(gate) to x's dtype
+// before the product as the reference does.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "silu_and_mul needs a contiguous CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dimension (", x.size(-1),
+              ") must hold gate and up halves");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_rows<scalar_t>(x, out); });
+  return out;
 }
 
 // Neox-style rotation of one head's [D] values with this position's cos/sin halves.
@@ -191,11 +227,13 @@ void rotary_embedding_and_cache(const at::Tensor& positions, at::Tensor query, a
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
 }

@@ -1,13 +1,13 @@
 """The fused C++ CPU kernels (kernels/csrc/cpu_fused_ops.cpp) against their torch references,
 over dtypes and shapes, and how `ops` picks them: RMSNorm with the residual add and rotary
-embedding fused with the KV-cache write."""
+embedding fused with the KV-cache write, SiLU-and-multiply."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from baton.kernels import cpu_ops, ops
-from baton.kernels.reference import reshape_and_cache_ref, rms_norm_ref, rotary_embedding_ref
+from baton.kernels.reference import reshape_and_cache_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from baton.services.model.rotary import RotaryEmbedding
 from testlib.kernel_sweep import ALL_DTYPE_IDS, ALL_DTYPES
 
@@ -60,10 +60,26 @@ def test_rms_norm_keeps_leading_dimensions_and_ops_falls_back_for_strided_input(
         cpu_ops.rms_norm(x, randn(32, dtype=torch.float32), 1e-5)
 
 
-def test_silu_and_mul_is_torchs_silu_times_up():
-    x = randn(3, 80, dtype=torch.float32) * 4
-    gate, up = x.chunk(2, dim=-1)
-    assert torch.equal(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
+@pytest.mark.parametrize("rows", ROWS, ids=IDS)
+@pytest.mark.parametrize("intermediate", [1536, 40, 7], ids=lambda i: f"i{i}")
+def test_silu_and_mul_matches_the_reference(dtype, rows, intermediate):
+    x = randn(rows, 2 * intermediate, dtype=dtype) * 4
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # the exp's clamped tails, and silu(0) = 0
+    out = cpu_ops.silu_and_mul(x)
+    close(out, silu_and_mul_ref(x))
+    assert out[0, 0] == 0 and out[0, 2] == 0
+    assert (out[0, 1] / x[0, intermediate + 1]).item() == pytest.approx(100.0, rel=1e-2)
+
+
+def test_silu_and_mul_keeps_leading_dimensions_ops_falls_back_for_strided_input_and_odd_widths_are_named():
+    x = randn(2, 3, 80, dtype=torch.float32)
+    close(cpu_ops.silu_and_mul(x), silu_and_mul_ref(x))
+    strided = randn(5, 160, dtype=torch.float32)[:, ::2]
+    close(ops.silu_and_mul(strided), silu_and_mul_ref(strided))
+    assert torch.equal(ops.silu_and_mul(strided, impl="torch"), silu_and_mul_ref(strided))
+    with pytest.raises(RuntimeError, match="last dimension \\(7\\) must hold gate and up halves"):
+        cpu_ops.silu_and_mul(randn(2, 7, dtype=torch.float32))
 
 
 def rope_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, num_slots=64):
