@@ -3,11 +3,12 @@
     q = round(w / s).clamp(-128, 127),  s = max|w[n, :]| / 127     (quantize_int8)
     y = (x q^T) * s + b                                             (Int8Weight.__call__)
 
-Activations stay in the model's dtype (computed in float32 on the CPU); only the weights
-are int8, a quarter of float32's bytes, which is what a decode step reads. On the CPU the
-multiply is kernels/csrc/cpu_int8_linear.cpp (int8 widened in registers; the weight in
-blocks of 64 channels, `pack_int8_blocks`); elsewhere, or with kernel_backend "torch",
-`int8_linear_ref` (the reference the kernel is tested against).
+Only the weights are int8, a quarter of float32's bytes, which is what a decode step reads;
+activations stay in the model's dtype. On the CPU the multiply is
+kernels/csrc/cpu_int8_linear.cpp (`pack_int8_blocks` lays the weight out for it): for a few
+rows, int8 widened to float32 in registers and float32 FMAs; from `AMX_MIN_ROWS` rows, AMX on
+a bfloat16 copy of each block, the activations rounded to bfloat16 (W8A16). Elsewhere, or with
+kernel_backend "torch", `int8_linear_ref`, the reference the kernel is tested against.
 
 Checkpoints of other tools carry their own scales (compressed_tensors.py): `quantize_int8`
 then takes the given scale and integer-valued weights as they are, so the int8 values are
@@ -22,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from baton.kernels import cpu_ops
 
-BLOCK = 64  # output channels per packed block (cpu_int8_linear.cpp)
+BLOCK = 32  # output channels per packed block (cpu_int8_linear.cpp)
+PAD_K = 32  # the packed K is a multiple of this
+# From this many rows up the kernel multiplies on AMX where the CPU has it. The bench model's
+# linear layers per decode step (2 threads): AVX-512 0.9 / 1.5 / 2.1 / 2.9 / 3.9 ms at 1 / 4 /
+# 8 / 12 / 16 rows, AMX 1.9-2.1 ms at 1-12 and 2.3 ms at 16 (float32 oneDNN 2.5-5.1 ms).
+AMX_MIN_ROWS = 10
 
 
 def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,17 +51,27 @@ def int8_linear_ref(
     return y if bias is None else y + bias
 
 
-def pack_int8_blocks(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/64), K, 64]: packed[b, k, c] = q[64 b + c, k], zero rows past N."""
+def pack_int8_blocks(q: torch.Tensor, layout: int) -> torch.Tensor:
+    """[N, K] in the kernel's layout (cpu_int8_linear.cpp): 1, blocks of 32 channels in
+    k-pairs [N/32, K/2, 32, 2] with K padded to 32, zero where padded; 0, as it is."""
+    if layout == 0:
+        return q.contiguous()
     num_out, num_in = q.shape
     num_blocks = -(-num_out // BLOCK)
-    padded = q.new_zeros(num_blocks * BLOCK, num_in)
-    padded[:num_out] = q
-    return padded.view(num_blocks, BLOCK, num_in).transpose(1, 2).contiguous()
+    padded_in = -(-num_in // PAD_K) * PAD_K
+    padded = q.new_zeros(num_blocks * BLOCK, padded_in)
+    padded[:num_out, :num_in] = q
+    return padded.view(num_blocks, BLOCK, padded_in // 2, 2).transpose(1, 2).contiguous()
 
 
-def unpack_int8_blocks(packed: torch.Tensor, num_out: int) -> torch.Tensor:
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:num_out]
+def unpack_int8_blocks(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    if packed.dim() == 2:
+        return packed
+    return packed.transpose(1, 2).reshape(packed.shape[0] * BLOCK, -1)[: shape[0], : shape[1]]
+
+
+def kernel_layout() -> int:
+    return torch.ops.baton_cpu.int8_linear_layout()
 
 
 def uses_int8_kernel(device: torch.device, impl: str) -> bool:
@@ -77,18 +93,19 @@ class Int8Weight:
     shape: tuple[int, int]  # [N, K] of the float weight
     dtype: torch.dtype  # the float weight's, for dequantize and the output
     blocked: bool
+    amx_min_rows: int = AMX_MIN_ROWS  # tests move it to reach either path
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, impl: str, scale: torch.Tensor | None = None) -> Int8Weight:
         q, scale = quantize_int8(weight, scale)
         blocked = uses_int8_kernel(weight.device, impl)
-        values = pack_int8_blocks(q) if blocked else q
+        values = pack_int8_blocks(q, kernel_layout()) if blocked else q
         return cls(values, scale.to(weight.device), tuple(weight.shape), weight.dtype, blocked)
 
     @property
     def int8_values(self) -> torch.Tensor:
         """[N, K] int8."""
-        return unpack_int8_blocks(self.values, self.shape[0]) if self.blocked else self.values
+        return unpack_int8_blocks(self.values, self.shape) if self.blocked else self.values
 
     def dequantize(self) -> torch.Tensor:
         return (self.int8_values.float() * self.scale[:, None]).to(self.dtype)
@@ -102,5 +119,5 @@ class Int8Weight:
             return int8_linear_ref(x, self.values, self.scale, bias)
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        y = torch.ops.baton_cpu.int8_linear(rows, self.values, self.scale, b, self.shape[0])
+        y = torch.ops.baton_cpu.int8_linear(rows, self.values, self.scale, b, self.shape[0], self.amx_min_rows)
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
