@@ -4,9 +4,16 @@ Every call that reaches a replica is judged here, before the engine sees it:
 
     queued      admitted requests that have not produced their first output yet (prefill
                 side: the first token; decode side: the first token after the handover)
-    start rate  first outputs per second over the last `window_s`
+    start rate  first outputs per second while requests were queued: over the last
+                `window_s`, counted from when the queue last became non-empty
     wait        the longer of queued / start rate (how long the queue takes to drain) and
                 the age of the oldest queued request (a queue that is not draining at all)
+
+The rate counts only the current backlog's starts because starts seen while nothing waited
+measure the arrivals, not the capacity: a replica that started one request 2.5 s before a
+burst of 16 would otherwise have put the burst's 13th request at 12 / 0.4 per s = 30 s and
+shed it. Until the backlog has started two requests there is no rate, and the wait is the
+oldest request's age.
 
 A request is shed (ServerOverloadedError: 429 / RESOURCE_EXHAUSTED with Retry-After) when
   - `wait` is over `max_queue_delay_s`: admitted requests then start within about that
@@ -47,7 +54,8 @@ class Admission:
         self.limits = limits
         self._clock = clock
         self._queued: dict[str, float] = {}  # request id -> when admitted (insertion order: oldest first)
-        self._starts: deque[float] = deque()  # times of first outputs within the window
+        self._starts: deque[float] = deque()  # first outputs of the current backlog, within the window
+        self._busy_since: float | None = None  # when the queue last became non-empty
         self.num_shed = 0
 
     @property
@@ -85,28 +93,38 @@ class Admission:
                     wait - limits.max_queue_delay_s,
                     "queue_delay",
                 )
-        self._queued[request_id] = self._clock()
+        now = self._clock()
+        if not self._queued:
+            self._busy_since = now
+        self._queued[request_id] = now
 
     def started(self, request_id: str) -> None:
         """Its first output came: it left the queue."""
         if self._queued.pop(request_id, None) is not None:
             self._starts.append(self._clock())
+            self._maybe_idle()
 
     def left(self, request_id: str) -> None:
         """It ended (or was cancelled) without a first output."""
-        self._queued.pop(request_id, None)
+        if self._queued.pop(request_id, None) is not None:
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self._queued:  # the backlog is gone: its rate says nothing about the next one
+            self._busy_since = None
+            self._starts.clear()
 
     def estimated_wait_s(self) -> float:
         if not self._queued:
             return 0.0
         now = self._clock()
-        while self._starts and self._starts[0] < now - self.limits.window_s:
+        since = max(now - self.limits.window_s, self._busy_since if self._busy_since is not None else now)
+        while self._starts and self._starts[0] < since:
             self._starts.popleft()
         oldest_age = now - next(iter(self._queued.values()))
-        if not self._starts:
+        if len(self._starts) < 2:
             return oldest_age
-        span = max(now - self._starts[0], 1e-3)
-        rate = len(self._starts) / min(span, self.limits.window_s) if len(self._starts) > 1 else 1.0 / span
+        rate = len(self._starts) / max(now - since, 1e-3)
         return max(len(self._queued) / rate, oldest_age)
 
     def _shed(self, message: str, retry_after_s: float, reason: str) -> None:

@@ -52,17 +52,63 @@ def test_the_prompt_token_bound_names_both_numbers():
 def test_the_delay_bound_follows_the_measured_start_rate():
     clock = Clock()
     admission = Admission(AdmissionLimits(max_queue_delay_s=2.0, window_s=5.0), clock)
-    for i in range(10):  # a request starts every 0.5 s: 2 per second
+    for i in range(10):  # a backlog of 10 at once
         admission.admit(f"s{i}", 10, stats(), "w")
+    for i in range(8):  # while it lasts, a request starts every 0.5 s: 2 per second
         clock.now += 0.5
         admission.started(f"s{i}")
-    for i in range(4):  # 4 queued at 2/s: 2 s to start the next one
-        admission.admit(f"q{i}", 10, stats(), "w")
-    assert admission.estimated_wait_s() == pytest.approx(4 / (10 / 4.5), rel=0.01)
-    admission.admit("q4", 10, stats(), "w")
-    with pytest.raises(ServerOverloadedError, match=r"about 2\.\d s \(limit 2 s\)") as refused:
-        admission.admit("q5", 10, stats(), "w")
-    assert refused.value.retry_after_s == 1.0
+    assert admission.num_queued == 2
+    assert admission.estimated_wait_s() == pytest.approx(4.0)  # the oldest queued one has waited 4 s
+    admission.started("s8")
+    admission.started("s9")  # drained
+    for i in range(12):  # overloaded from here on: the queue never empties, 2 starts per second
+        admission.admit(f"b{i}", 10, stats(), "w")
+    for i in range(8):
+        clock.now += 0.5
+        admission.started(f"b{i}")
+    assert admission.estimated_wait_s() == pytest.approx(4.0)  # 4 queued at 2/s (and the oldest waited 4 s)
+    clock.now += 0.1
+    admission.started("b8")
+    admission.started("b9")
+    admission.started("b10")  # 11 starts in 4.1 s; the one left waited 4.1 s
+    with pytest.raises(ServerOverloadedError, match=r"about 4\.1 s \(limit 2 s\)") as refused:
+        admission.admit("c", 10, stats(), "w")
+    assert refused.value.retry_after_s == 3.0
+
+
+def test_a_burst_after_a_quiet_spell_is_not_judged_by_the_quiet_spell():
+    """The last start of a previous load, 2.5 s before a burst of 16, is no rate: it once put
+    the burst's 13th request at 12 / (1 / 2.5 s) = 30 s and shed 8 of 16 (a vLLM comparison's
+    concurrency-16 load, the fourth load on one server)."""
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_queue_delay_s=30.0, window_s=5.0), clock)
+    admission.admit("previous", 10, stats(), "w")
+    clock.now += 0.2
+    admission.started("previous")
+    clock.now += 2.5
+    for i in range(16):
+        admission.admit(f"burst{i}", 10, stats(), "w")
+    assert admission.num_shed == 0 and admission.estimated_wait_s() == 0.0
+    for i in range(4):  # the burst's own starts make the rate: 4 in 1 s, 12 left
+        clock.now += 0.25
+        admission.started(f"burst{i}")
+    assert admission.estimated_wait_s() == pytest.approx(12 / 4.0)
+
+
+def test_cancelled_requests_end_a_backlog_too():
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_queue_delay_s=1.0, window_s=5.0), clock)
+    for i in range(3):
+        admission.admit(f"a{i}", 10, stats(), "w")
+    clock.now += 0.5
+    admission.started("a0")
+    clock.now += 0.5
+    admission.started("a1")
+    admission.left("a2")  # cancelled: the backlog is gone
+    clock.now += 0.5
+    for i in range(10):
+        admission.admit(f"b{i}", 10, stats(), "w")
+    assert admission.estimated_wait_s() == 0.0
 
 
 def test_a_queue_that_does_not_drain_is_judged_by_its_oldest_request():
