@@ -10,10 +10,10 @@
 //
 // AVX-512 (few rows: decode). Each int8 weight is widened to float32 in registers (vpmovsxbd
 // + vcvtdq2ps) and multiplied by float32 activations with FMAs; the scale multiplies the
-// finished dot product once per output. A register tile is up to 12 rows x 16 channels (24
-// zmm accumulators, lanes alternating the pair's two k, summed at the end), so a decode batch
-// of up to 12 rows reads and widens each weight once. Memory-bound at one row: it reads a
-// quarter of the float32 weight's bytes.
+// finished dot product once per output. A register tile is up to 6 rows x 32 channels or
+// 12 rows x 16 (24 zmm accumulators, lanes alternating the pair's two k, summed at the end),
+// so a decode batch of up to 12 rows widens each weight once. Memory-bound at one row: it
+// reads a quarter of the float32 weight's bytes.
 //
 // AMX (from `amx_min_rows` rows: prefill, large decode batches). Each block is widened once per
 // call into a bfloat16 copy (exact: int8 values fit bfloat16's 8-bit significand) and
@@ -72,56 +72,71 @@ inline void store16(__m512 acc, float* y, int64_t n0, int64_t valid, const float
   _mm512_mask_storeu_ps(y + n0, mask, _mm512_fmadd_ps(acc, s, b));
 }
 
-// kRows rows (x rows kp apart) against 16 channels of a block: `half` points at their first
-// weight in the block's first pair line (a block of int8, or one widened to float32).
-template <typename Block, int kRows>
+// kRows rows (x rows kp apart) against 16 x kHalves channels of a block: `half` points at
+// their first weight in the block's first pair line (a block of int8, or one widened to
+// float32). kHalves 2 (both halves, 4 accumulators a row) for up to 6 rows, so each line is
+// read once; 1 (8 more rows in 24 accumulators) above, each half its own pass.
+template <typename Block, int kRows, int kHalves>
 void tile(const float* x, int64_t kp, const Block* half, float* y, int64_t ldy, int64_t n0, int64_t valid,
           const float* scale, const float* bias) {
-  __m512 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  constexpr int kAcc = 2 * kHalves;
+  __m512 acc[kRows][kAcc];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kAcc; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp / 2; ++p) {
     const Block* w = half + p * 2 * kBlock;
-    const __m512 w0 = load_weights(w), w1 = load_weights(w + 16);  // channels 0-7, 8-15, each (k, k + 1)
+    __m512 wv[kAcc];  // each 8 channels x (k, k + 1)
+    for (int j = 0; j < kAcc; ++j) wv[j] = load_weights(w + 16 * j);
     for (int r = 0; r < kRows; ++r) {
       double pair;
       std::memcpy(&pair, x + r * kp + 2 * p, sizeof(pair));
       const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));  // (x[k], x[k + 1]) in every lane pair
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      for (int j = 0; j < kAcc; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
     }
   }
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int r = 0; r < kRows; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][0], even, acc[r][1]),
-                                     _mm512_permutex2var_ps(acc[r][0], odd, acc[r][1]));
-    store16(sum, y + r * ldy, n0, valid, scale, bias);
+    for (int h = 0; h < kHalves && 16 * h < valid; ++h) {
+      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][2 * h], even, acc[r][2 * h + 1]),
+                                       _mm512_permutex2var_ps(acc[r][2 * h], odd, acc[r][2 * h + 1]));
+      store16(sum, y + r * ldy, n0 + 16 * h, std::min<int64_t>(16, valid - 16 * h), scale, bias);
+    }
+  }
+}
+
+template <typename Block, int kRows>
+void rows_tile(const float* x, int64_t kp, const Block* block, float* y, int64_t ldy, int64_t n0, int64_t valid,
+               const float* scale, const float* bias) {
+  if constexpr (kRows <= 6) {
+    tile<Block, kRows, 2>(x, kp, block, y, ldy, n0, valid, scale, bias);
+  } else {
+    for (int64_t h = 0; h < 2 && 16 * h < valid; ++h) {
+      tile<Block, kRows, 1>(x, kp, block + 32 * h, y, ldy, n0 + 16 * h, std::min<int64_t>(16, valid - 16 * h), scale,
+                            bias);
+    }
   }
 }
 
 template <typename Block>
 void rows_against_block(const float* x, int64_t M, int64_t kp, const Block* block, float* y, int64_t N, int64_t n0,
                         int64_t valid, const float* scale, const float* bias) {
-  for (int64_t h = 0; h < 2 && 16 * h < valid; ++h) {
-    const Block* half = block + 32 * h;
-    const int64_t nh = n0 + 16 * h, vh = std::min<int64_t>(16, valid - 16 * h);
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const float* xm = x + m * kp;
-      float* ym = y + m * N;
-      switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: tile<Block, 1>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 2: tile<Block, 2>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 3: tile<Block, 3>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 4: tile<Block, 4>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 5: tile<Block, 5>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 6: tile<Block, 6>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 7: tile<Block, 7>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 8: tile<Block, 8>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 9: tile<Block, 9>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 10: tile<Block, 10>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        case 11: tile<Block, 11>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-        default: tile<Block, 12>(xm, kp, half, ym, N, nh, vh, scale, bias); break;
-      }
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const float* xm = x + m * kp;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(kMaxRows, M - m)) {
+      case 1: rows_tile<Block, 1>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 2: rows_tile<Block, 2>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 3: rows_tile<Block, 3>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 4: rows_tile<Block, 4>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 5: rows_tile<Block, 5>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 6: rows_tile<Block, 6>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 7: rows_tile<Block, 7>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 8: rows_tile<Block, 8>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 9: rows_tile<Block, 9>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 10: rows_tile<Block, 10>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      case 11: rows_tile<Block, 11>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
+      default: rows_tile<Block, 12>(xm, kp, block, ym, N, n0, valid, scale, bias); break;
     }
   }
 }
