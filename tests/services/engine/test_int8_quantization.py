@@ -180,3 +180,15 @@ def test_an_update_is_re_quantized(arch):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in fresh.generate(prompts, params)
     ]
+
+
+def test_after_sleep_level_2_a_complete_update_is_quantized_again():
+    old_dir, new_dir = tiny_model("llama"), tiny_model("llama", seed=1)
+    llm = engine(old_dir, quantization="int8")
+    _, int8_bytes = llm.core.weights.memory_bytes()
+    llm.sleep(2)  # the int8 weights are freed, the layers float and empty
+    assert llm.core.weights.memory_bytes()[1] == 0
+    llm.wake_up()
+    llm.update_weights_from_disk(str(new_dir))
+    assert_same_int8(int8_state(llm), int8_state(engine(new_dir, quantization="int8")))
+    assert llm.core.weights.memory_bytes()[1] == int8_bytes  # int8 again, not the float it was written as
