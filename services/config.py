@@ -53,6 +53,12 @@ class ServerConfig(BaseModel):
         description="Prometheus port of `baton serve`'s local Ray (0: pick a free one); the chart's Ray pods use 8080",
     )
     request_timeout_s: float | None = Field(None, gt=0, description="Server-side cap on one request's duration")
+    direct_ingress: bool = Field(
+        False,
+        description="The gateway replica serves HTTP and gRPC on http_port/grpc_port itself (Ray Serve's direct "
+        "ingress) instead of Serve's proxy actor relaying every chunk: one gateway replica, no server.tls, a Ray "
+        "that `baton serve` starts (services/launcher/direct_ingress.py)",
+    )
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
         description="API keys: the environment variables and files they are read from (never the keys)",

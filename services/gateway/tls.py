@@ -1,6 +1,7 @@
 """TLS (and mutual TLS) on both client APIs: `server.tls` and what reaches Serve's proxy.
 
-Both APIs are served by Ray Serve's proxy actor, so TLS ends there:
+Both APIs are served by Ray Serve's proxy actor (with `server.direct_ingress`, by the gateway
+replica, which installs the same hook: launcher/direct_ingress.py), so TLS ends there:
 
     HTTP   Serve's own `HTTPOptions(ssl_certfile, ssl_keyfile, ssl_ca_certs)`, which it hands
            to uvicorn. Serve 2.60 does not pass uvicorn's `ssl_cert_reqs`, so a client CA alone
@@ -25,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 HOOK_PATH = "baton.services.gateway.proxy_hook.setup_proxy"
 GRPC_HOST_ENV = "BATON_GRPC_HOST"
+# Serve 2.60's switch for ingress replicas that run their own servers (launcher/direct_ingress.py).
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 CERT_FILE_ENV = "BATON_TLS_CERT_FILE"
 KEY_FILE_ENV = "BATON_TLS_KEY_FILE"
 CLIENT_CA_FILE_ENV = "BATON_TLS_CLIENT_CA_FILE"
@@ -56,6 +59,14 @@ class TLSConfig(BaseModel):
     @property
     def requires_client_cert(self) -> bool:
         return self.client_ca_file is not None
+
+    def describe(self) -> str:
+        """One line for `baton serve`'s start-up summary."""
+        if not self.enabled:
+            return "off (plaintext HTTP and gRPC)"
+        if self.requires_client_cert:
+            return f"mTLS on HTTP and gRPC: certificate {self.cert_file}, client certificates signed by {self.client_ca_file}"
+        return f"on HTTP and gRPC: certificate {self.cert_file}"
 
     def check_files(self) -> None:
         """Reads every configured file once, at start: a missing or unreadable one is a

@@ -25,6 +25,7 @@ from ..gateway.api_keys import ApiKeys
 from ..gateway.tls import GRPC_HOST_ENV, proxy_environment
 from ..ray_env import import_ray
 from . import console_logging
+from .direct_ingress import check_direct_ingress, direct_ingress_environment
 from .local_redis import LocalRedis, free_port
 from .ports import PortInUse, check_ports_free, port_in_use_from
 from .serve_shutdown import shutdown_serve
@@ -155,6 +156,8 @@ class LocalDeployment:
         server.tls.check_files()
         if server.tls.enabled and ray.is_initialized():  # the proxy hook's settings travel in Ray's environment
             raise ValueError("server.tls needs a Ray that baton serve starts (Ray was already running here)")
+        check_direct_ingress(config, ray.is_initialized())
+        http_port, grpc_port = server.http_port or free_port(), server.grpc_port or free_port()
         if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:  # as TLS, it needs Ray's env
             logger.warning("server.grpc_host %s not applied: Ray runs without %s", server.grpc_host, GRPC_HOST_ENV)
         if config.router.redis is None:
@@ -167,7 +170,7 @@ class LocalDeployment:
             self._started_ray = True  # before: a stop after a half-done ray.init still shuts it down
             with (
                 ray_keeps_our_sigterm_handler() if self.signals is not None else contextlib.nullcontext(),
-                _environment(self._environment()),  # Ray's processes inherit it
+                _environment(self._environment(http_port, grpc_port)),  # Ray's processes inherit it
             ):
                 ray.init(
                     include_dashboard=False,
@@ -181,18 +184,18 @@ class LocalDeployment:
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         self.ray_logs_dir = _ray_logs_dir(ray)
-        http_port = server.http_port or free_port()
-        grpc_port = server.grpc_port or free_port()
+        # Under direct ingress the gateway replica takes the ports; the proxies get free ones.
+        proxy_ports = (free_port(), free_port()) if server.direct_ingress else (http_port, grpc_port)
         serve.start(
             proxy_location="HeadOnly",  # one proxy: several nodes on one machine would clash on the ports
             http_options={
                 "host": server.http_host,
-                "port": http_port,
+                "port": proxy_ports[0],
                 "request_timeout_s": server.request_timeout_s,
                 **server.tls.http_options(),
             },
             grpc_options=gRPCOptions(
-                port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
+                port=proxy_ports[1], grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=server.request_timeout_s
             ),
             logging_config=None if self.log_level is None else {"log_level": _serve_log_level(self.log_level)},
         )
@@ -205,9 +208,12 @@ class LocalDeployment:
         self.http_address = f"{scheme}://{_dialled(server.http_host)}:{http_port}"
         return self
 
-    def _environment(self) -> dict[str, str]:
-        """What Ray's processes need from us: the proxy hook's settings, the local Redis's password."""
-        env = proxy_environment(self.config.server.tls, self.config.server.grpc_host)
+    def _environment(self, http_port: int, grpc_port: int) -> dict[str, str]:
+        """What Ray's processes need from us: the proxy hook's, the local Redis's, direct ingress's."""
+        server = self.config.server
+        env = proxy_environment(server.tls, server.grpc_host)
+        if server.direct_ingress:
+            env |= direct_ingress_environment(http_port, grpc_port)
         return env | (self.redis.environment() if self.redis is not None else {})
 
     def ray_temp_dir(self) -> str | None:
@@ -361,19 +367,13 @@ def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s
     print(f"Metrics {deployment.metrics_address}   (Prometheus)")
     print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
     print(f"Auth  {auth}")
-    print(f"TLS   {_describe_tls(config.server.tls)}")
+    print(f"TLS   {config.server.tls.describe()}")
+    if config.server.direct_ingress:
+        print("Ingress direct: the gateway replica serves both ports (no Serve proxy in the path)")
     print(
         f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
         flush=True,
     )
-
-
-def _describe_tls(tls) -> str:
-    if not tls.enabled:
-        return "off (plaintext HTTP and gRPC)"
-    if tls.requires_client_cert:
-        return f"mTLS on HTTP and gRPC: certificate {tls.cert_file}, client certificates signed by {tls.client_ca_file}"
-    return f"on HTTP and gRPC: certificate {tls.cert_file}"
 
 
 def _stop(deployment: LocalDeployment, signals: StopSignals, grace_period_s: float) -> None:

@@ -7,6 +7,7 @@ disaggregated:  gateway -> prefill (EngineWorker x P), decode (EngineWorker x D)
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .. import metrics
@@ -17,7 +18,9 @@ from ..gateway.api_keys import ApiKeys, AuthConfig
 from ..gateway.engine_client import ColocatedClient, EngineClient
 from ..gateway.gateway import Gateway
 from ..gateway.migration import DEFAULT_MAX_MIGRATIONS, MigratingClient
+from ..gateway.proxy_hook import setup_proxy
 from ..gateway.request_limits import RequestLimits
+from ..gateway.tls import DIRECT_INGRESS_ENV
 from ..gateway.weight_admin import WeightAdmin
 from ..ray_env import import_ray
 from ..router.live_replicas import LIVE_REPLICAS
@@ -46,6 +49,8 @@ class ServeGateway(Gateway):
     ) -> None:
         for role, timeout_s in (cold_starts or {}).items():  # roles at zero are waited for, not refused
             LIVE_REPLICAS.allow_cold_start(role, timeout_s)
+        if os.environ.get(DIRECT_INGRESS_ENV) == "1":  # this replica binds the ports: as the proxy would
+            setup_proxy()
         api_keys = ApiKeys.from_config(auth or AuthConfig())
         logger.info("gateway: %s", api_keys.describe())
         super().__init__(

@@ -17,6 +17,7 @@ both: the Redis password is read by each process from the variable that
 
 # No `from __future__ import annotations`: Serve reads the builder's parameter annotation at
 # run time to turn the `args` dict into `ServeArgs`.
+import os
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +51,11 @@ def load_serve_config(args: ServeArgs) -> BatonConfig:
 
 
 def app(args: ServeArgs) -> "Application":
+    from ..gateway.tls import DIRECT_INGRESS_ENV
     from .builder import build_app
 
-    return build_app(load_serve_config(args), args.grace_period_s)
+    config = load_serve_config(args)
+    if config.server.direct_ingress and os.environ.get(DIRECT_INGRESS_ENV) != "1":
+        # Serve reads the mode from its processes' environment; `baton serve` sets it, a cluster's pods must.
+        raise ValueError(f"server.direct_ingress: this Ray cluster's processes run without {DIRECT_INGRESS_ENV}=1")
+    return build_app(config, args.grace_period_s)
