@@ -73,9 +73,10 @@ METRICS = (
 )
 
 
-def baton_config(path: Path, http_port: int, stream_interval: int = 1) -> Path:
+def baton_config(path: Path, http_port: int, stream_interval: int = 1, direct_ingress: bool = False) -> Path:
     config = yaml.safe_load((REPO / "configs" / "local-colocated.yaml").read_text())
     config["server"].update(http_host="127.0.0.1", http_port=http_port, grpc_port=free_port())
+    config["server"]["direct_ingress"] = direct_ingress  # the gateway replica serves the port (issue 26)
     engine = config["engine"]
     engine["model"].update(served_model_name=MODEL_NAME, max_model_len=LIMITS["max_model_len"])
     engine["cache"].update(num_kv_blocks=16384, enable_prefix_caching=True)
@@ -91,11 +92,11 @@ def baton_config(path: Path, http_port: int, stream_interval: int = 1) -> Path:
 
 
 def server_command(
-    server: str, port: int, run_dir: Path, stream_interval: int = 1
+    server: str, port: int, run_dir: Path, stream_interval: int = 1, direct_ingress: bool = False
 ) -> tuple[list[str], dict[str, str] | None]:
     model = str(bench_model())
     if server == "baton":
-        config = baton_config(run_dir / "baton.yaml", port, stream_interval)
+        config = baton_config(run_dir / "baton.yaml", port, stream_interval, direct_ingress)
         return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5"], None
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     cmd = [str(VPY), str(WORKER), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
@@ -112,9 +113,9 @@ def server_command(
 class Server:
     """One server process in a session of its own (so every process it starts can be found)."""
 
-    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1) -> None:
+    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1, direct_ingress: bool = False) -> None:
         self.name, self.port = name, free_port()
-        cmd, env = server_command(name, self.port, run_dir, stream_interval)
+        cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress)
         self.log = run_dir / f"{name}-server.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
