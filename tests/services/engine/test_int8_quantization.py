@@ -192,3 +192,13 @@ def test_after_sleep_level_2_a_complete_update_is_quantized_again():
     llm.update_weights_from_disk(str(new_dir))
     assert_same_int8(int8_state(llm), int8_state(engine(new_dir, quantization="int8")))
     assert llm.core.weights.memory_bytes()[1] == int8_bytes  # int8 again, not the float it was written as
+
+
+def test_a_prefix_cache_hit_generates_what_a_miss_does():
+    llm = engine(tiny_model("llama"), quantization="int8", block_size=16)
+    prompt = list(range(20, 60))  # two full blocks and a partial one
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    miss, hit = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens == 32
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    assert hit.outputs[0].cumulative_logprob == pytest.approx(miss.outputs[0].cumulative_logprob, abs=1e-3)
