@@ -12,6 +12,7 @@ import pytest
 from testlib.baton_process import BatonServe, session_pids
 from testlib.models import tiny_model
 from testlib.pki import ThrowawayPKI
+from testlib.sockets import listening_addresses
 
 from . import test_serve_tls as tls_tests
 from .test_serve_command import free_ports
@@ -53,8 +54,11 @@ def serving(workdir: Path, pki: ThrowawayPKI) -> Iterator[tuple[BatonServe, int,
         serve.wait_ready()
         assert f"HTTP  https://127.0.0.1:{http_port}/v1" in serve.text()
         assert "TLS   mTLS on HTTP and gRPC" in serve.text() and "Ingress direct" in serve.text()
-        gateway = {pid for pid, cmd in session_pids(serve.session_id).items() if "gateway" in cmd}
-        assert gateway, "no gateway replica in the session"
+        # The ports are the gateway replica's own, not a proxy's.
+        gateway = {
+            pid for pid, cmd in session_pids(serve.session_id).items() if "ServeReplica" in cmd and "gateway" in cmd
+        }
+        assert {("127.0.0.1", http_port), ("127.0.0.1", grpc_port)} <= listening_addresses(gateway)
         yield serve, http_port, grpc_port
     finally:
         if serve.process.poll() is None or session_pids(serve.session_id):
