@@ -41,6 +41,24 @@
 
 namespace {
 
+// One block of the online softmax for one query head: turns the block's n scores s into
+// exp(s - new max) in place, folds their sum into run_sum and returns the factor that
+// rescales what came before to the new running max.
+inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, float& run_sum) {
+  float new_max = run_max;
+  for (int64_t t = 0; t < n; ++t) new_max = std::max(new_max, s[t]);
+  const float correction = std::exp(run_max - new_max);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = baton_cpu::exp_approx(s[t] - new_max);
+    sum += s[t];
+  }
+  run_max = new_max;
+  run_sum = run_sum * correction + sum;
+  return correction;
+}
+
 // ---- the vector path ----
 
 constexpr int kLanes = 16;
@@ -146,19 +164,7 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
     }
     // online softmax: rescale what came before to the new running max
     for (int c = 0; c < C; ++c) {
-      float* __restrict__ s = scores + c * padded;
-      float new_max = run_max[c];
-      for (int64_t t = 0; t < n; ++t) new_max = std::max(new_max, s[t]);
-      const float correction = std::exp(run_max[c] - new_max);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = baton_cpu::exp_approx(s[t] - new_max);
-        sum += s[t];
-      }
-      run_max[c] = new_max;
-      run_sum[c] = run_sum[c] * correction + sum;
-      const vfloat corr = broadcast(correction);
+      const vfloat corr = broadcast(softmax_block(scores + c * padded, n, run_max[c], run_sum[c]));
       for (int j = 0; j < V; ++j) acc[c][j] *= corr;
     }
     // acc_c += sum_t p_c,t v_t
@@ -289,18 +295,7 @@ void decode_scalar(const at::Tensor& query, const at::Tensor& key_cache, const a
         }
         // online softmax: rescale what came before to the new running max
         for (int64_t hq = 0; hq < num_heads; ++hq) {
-          float* __restrict__ s = scores.data() + hq * block_size;
-          float new_max = run_max[hq];
-          for (int64_t t = 0; t < n; ++t) new_max = std::max(new_max, s[t]);
-          const float correction = std::exp(run_max[hq] - new_max);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = std::exp(s[t] - new_max);
-            sum += s[t];
-          }
-          run_max[hq] = new_max;
-          run_sum[hq] = run_sum[hq] * correction + sum;
+          const float correction = softmax_block(scores.data() + hq * block_size, n, run_max[hq], run_sum[hq]);
           float* __restrict__ a = acc.data() + hq * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
