@@ -373,6 +373,11 @@ def main() -> None:
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
     )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="serving: Baton's gateway replica serves HTTP itself (server.direct_ingress), no Serve proxy hop",
+    )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
     modes = {"setup": setup, "offline": offline, "prefix": prefix, "serving": serving, "speculative": speculative}

@@ -195,9 +195,11 @@ def load_with_retry(server: Server, load: Load, n: int, seed: int, out: Path) ->
     return result
 
 
-def serve_and_load(name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1) -> dict[str, Any]:
+def serve_and_load(
+    name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1, direct_ingress: bool = False
+) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
-    server = Server(name, round_dir, stream_interval)
+    server = Server(name, round_dir, stream_interval, direct_ingress and name == "baton")
     try:
         ready_s = server.wait_ready()
         print(f"  {name} ready in {ready_s:.1f} s on {server.url}", flush=True)
@@ -281,7 +283,7 @@ def run_serving(args, save) -> None:
         order = ("baton", "vllm") if i % 2 == 0 else ("vllm", "baton")
         seed = 31 + 10 * i
         print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}, seeds {seed}-{seed + len(LOADS)}", flush=True)
-        rounds.append({name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval) for name in order})
+        rounds.append({name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval, args.direct_ingress) for name in order})
         print_round(i, rounds[-1])
     ratios = summary(rounds)
     print_summary(ratios)
