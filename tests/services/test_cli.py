@@ -174,7 +174,7 @@ def test_baton_serve_refuses_an_unknown_key_in_one_line_before_starting_anything
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
         "baton serve: error: unknown config key 'server.htp_port': server has no 'htp_port' "
-        "(it has http_host, http_port, grpc_host, grpc_port, metrics_port, request_timeout_s, auth, limits, tls)"
+        "(it has http_host, http_port, grpc_host, grpc_port, metrics_port, request_timeout_s, direct_ingress, auth, limits, tls)"
     ]
     assert time.monotonic() - started < 30
 
