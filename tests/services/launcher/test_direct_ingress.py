@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +24,9 @@ from testlib.baton_process import BatonServe, session_pids
 from testlib.local_baton import tiny_config
 from testlib.models import tiny_model
 from testlib.sockets import addresses_listening_on, listening_addresses
-from testlib.waiting import wait_until
 
 from .test_serve_command import free_ports
-from .test_stop_signals import MAX_TOKENS, TEARDOWN_S, Stream, assert_nothing_left
+from .test_stop_signals import TEARDOWN_S, assert_signal_drains_a_stream
 
 PROMPT = "def handle(request):\n    user = authenticate(request.headers)\n"
 GRACE_PERIOD_S = 20
@@ -154,18 +152,7 @@ def test_the_gateway_replica_serves_both_ports_as_the_proxy_did_and_drains_on_si
         assert chat and generated
         assert (chat, generated) == proxied
 
-        stream = Stream(f"127.0.0.1:{grpc_port}")
-        wait_until(lambda: stream.responses or stream.error, timeout_s=60, what="the first token")
-        signalled = time.monotonic()
-        serve.signal(signal.SIGTERM)
-        stream.join()
-        assert stream.error is None, stream.error
-        last = stream.responses[-1]
-        assert last.finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
-        assert serve.process.wait(timeout=GRACE_PERIOD_S + TEARDOWN_S) == 0, serve.text()
-        assert time.monotonic() - signalled < GRACE_PERIOD_S + TEARDOWN_S
-        assert "SIGTERM: stopping (draining)" in serve.text()
-        assert_nothing_left(serve)
+        assert_signal_drains_a_stream(serve, f"127.0.0.1:{grpc_port}", signal.SIGTERM, GRACE_PERIOD_S)
     finally:
         if serve.process.poll() is None or session_pids(serve.session_id):
             serve.kill_session()

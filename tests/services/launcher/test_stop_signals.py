@@ -87,11 +87,9 @@ def assert_nothing_left(serve: BatonServe) -> None:
     assert not left, left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_signal_drains_the_stream_then_exits_0_leaving_nothing(launch, sig):
-    grace_period_s = 20
-    serve = launch(grace_period_s)
-    address = ready(serve)
+def assert_signal_drains_a_stream(serve: BatonServe, address: str, sig: signal.Signals, grace_period_s: float) -> None:
+    """`sig` while a greedy stream runs: the stream ends whole, `baton serve` exits 0 within
+    the grace period (plus teardown) and leaves no process behind."""
     stream = Stream(address)
     wait_until(lambda: stream.responses or stream.error, timeout_s=60, what="the first token")
     signalled = time.monotonic()
@@ -104,6 +102,14 @@ def test_a_signal_drains_the_stream_then_exits_0_leaving_nothing(launch, sig):
     assert time.monotonic() - signalled < grace_period_s + TEARDOWN_S
     assert f"{sig.name}: stopping (draining)" in serve.text() and "SIGTERM received" not in serve.text()
     assert_nothing_left(serve)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_drains_the_stream_then_exits_0_leaving_nothing(launch, sig):
+    grace_period_s = 20
+    serve = launch(grace_period_s)
+    address = ready(serve)
+    assert_signal_drains_a_stream(serve, address, sig, grace_period_s)
 
 
 def test_a_second_sigterm_stops_at_once_leaving_nothing(launch):
