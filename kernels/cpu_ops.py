@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_paged_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_int8_linear.cpp")
+    for name in (
+        "cpu_paged_decode_attention.cpp",
+        "cpu_fused_ops.cpp",
+        "cpu_int8_linear.cpp",
+        "cpu_blocked_linear.cpp",
+    )
 ]
 # -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
 # online softmax starts from -inf), hence -fno-finite-math-only.

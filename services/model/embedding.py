@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocked_linear import BlockedWeight, uses_blocked_kernel
 from .int8_linear import Int8Weight
 from .linear import CpuPackable, _param, linear, pack_weight_for_cpu
 from .parallel import TPGroup
@@ -49,8 +50,12 @@ class ParallelLMHead(VocabParallelEmbedding, CpuPackable):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_for_cpu(self) -> bool:
-        """A repacked copy: the weight itself stays dense for the embedding it may be tied to."""
+    def pack_for_cpu(self, impl: str) -> bool:
+        """A repacked copy (blocks, else oneDNN's layout): the weight itself stays dense for
+        the embedding it may be tied to."""
+        if uses_blocked_kernel(self.weight, impl):
+            self.blocked = BlockedWeight.from_dense(self.weight)
+            return True
         self.packed_weight = pack_weight_for_cpu(self.weight)
         return self.packed_weight is not None
 
@@ -64,11 +69,14 @@ class ParallelLMHead(VocabParallelEmbedding, CpuPackable):
 
     def unpack_for_loading(self, keep_values: bool = True) -> None:
         self.packed_weight = None  # stale once the dense weight changes; repacked after loading
+        self.blocked = None
         self.int8 = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             logits = self.int8(hidden)
+        elif self.blocked is not None:
+            logits = self.blocked(hidden)
         else:
             logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         logits = self.tp.all_gather(logits, dim=-1)

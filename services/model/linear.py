@@ -2,15 +2,18 @@
 ranks and never communicate; row-parallel layers split the input features and all-reduce
 their partial sums. Each parameter carries a `weight_loader` that reads its rank's shard.
 
-On the CPU, `process_weights_after_loading` repacks the weights into oneDNN's blocked
-layout once the checkpoint is in, and `linear` multiplies by them with oneDNN's GEMM
+On the CPU, `process_weights_after_loading` repacks the weights once the checkpoint is in.
+float32 weights go into 16-channel blocks for Baton's own kernel where it builds (an AVX-512
+CPU; blocked_linear.py): a decode step reads them ~1.6x faster than oneDNN's packed layout
+at 1-8 rows, at par at 16-32, within 10% of it at 64-2048 rows. Elsewhere, and for
+bfloat16 and float16, `linear` multiplies by oneDNN's packed layout with oneDNN's GEMM
 (torch.ops.mkldnn, as torch.compile's CPU backend does). On an AMD Zen 5 (2 cores) float32
-runs at ~490 GFLOP/s where F.linear (MKL) reaches ~200, and ~430 vs ~150 at decode sizes
-(32 rows). bfloat16 and float16 weights are packed too where the CPU multiplies them
+ran there at ~490 GFLOP/s where F.linear (MKL) reaches ~200, and ~430 vs ~150 at decode
+sizes (32 rows). bfloat16 and float16 weights are packed where the CPU multiplies them
 natively (AMX on an Intel Xeon: the 512x3072 gate/up projection takes 0.86 ms for 512 rows
 packed, 1.0 ms through F.linear, 5.5 ms in float32; 124 vs 186 us at 8 rows). The repacked
-tensor replaces the dense weight, so memory does not grow; `dense_weight` turns it back for
-whoever reads weights.
+tensor replaces the dense weight, so memory does not grow; `dense_weight` (a layer's
+`dense_parameters`) turns it back for whoever reads weights.
 
 With quantization "int8" (int8_linear.py) the same step quantizes each layer instead: the
 int8 blocks replace the float weight, and unpacking for a weight update dequantizes, so an
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocked_linear import BlockedWeight, uses_blocked_kernel
 from .cpu_tuning import pad_rows_for_onednn
 from .int8_linear import Int8Weight
 from .parallel import TPGroup
@@ -72,15 +76,17 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuPackable(ABC):
-    """A layer whose weight may be repacked for oneDNN once loaded, and unpacked again so a
-    weight update can write into it through the same weight loader. An int8 layer
-    (`is_int8`) is quantized instead of packed, every time it is repacked."""
+    """A layer whose weight may be repacked for the CPU once loaded (Baton's blocks or
+    oneDNN's layout), and unpacked again so a weight update can write into it through the
+    same weight loader. An int8 layer (`is_int8`) is quantized instead of packed, every time
+    it is repacked."""
 
     is_int8 = False
     int8: Int8Weight | None = None  # the quantized weight while packed
+    blocked: BlockedWeight | None = None  # the float32 blocks while packed
 
     @abstractmethod
-    def pack_for_cpu(self) -> bool: ...
+    def pack_for_cpu(self, impl: str) -> bool: ...
 
     @abstractmethod
     def quantize(self, impl: str) -> bool:
@@ -113,11 +119,25 @@ def process_weights_after_loading(
         if module.is_int8:
             count += module.quantize(impl)
         elif impl in ("auto", "cpp"):
-            count += module.pack_for_cpu()
+            count += module.pack_for_cpu(impl)
     return count
 
 
-def _pack_parameter(module: nn.Module) -> bool:
+def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter with a float weight as the checkpoint's dense [out, in] again (blocks
+    and oneDNN's layout unpacked); int8 layers keep their int8 blocks."""
+    blocked = {id(m.weight): m.blocked for m in packable_modules(model) if m.blocked is not None}
+    return {
+        name: blocked[id(p)].dense() if id(p) in blocked else dense_weight(p.detach())
+        for name, p in model.named_parameters()
+    }
+
+
+def _pack_parameter(module: nn.Module, impl: str) -> bool:
+    if uses_blocked_kernel(module.weight, impl):
+        module.blocked = BlockedWeight.from_dense(module.weight)
+        module.weight = nn.Parameter(module.blocked.values, requires_grad=False)
+        return True
     packed = pack_weight_for_cpu(module.weight)
     if packed is None:
         return False
@@ -139,6 +159,11 @@ def _unpack_parameter(module: nn.Module, keep_values: bool) -> None:
     if module.int8 is not None:
         int8, module.int8 = module.int8, None
         dense = int8.dequantize() if keep_values else torch.empty(int8.shape, dtype=int8.dtype, device=weight.device)
+        module.weight = nn.Parameter(dense, requires_grad=False)
+        module.weight.weight_loader = module.weight_loader
+    elif module.blocked is not None:
+        blocked, module.blocked = module.blocked, None
+        dense = blocked.dense() if keep_values else torch.empty(blocked.shape, dtype=weight.dtype)
         module.weight = nn.Parameter(dense, requires_grad=False)
         module.weight.weight_loader = module.weight_loader
     elif weight.layout == torch._mkldnn:
@@ -183,8 +208,8 @@ class ColumnParallelLinear(nn.Module, CpuPackable):
         value = narrow(loaded, 0, self.tp.rank * size, size)
         copy_into(param.data.narrow(0, offset, size), value, f"shard {shard_id}")
 
-    def pack_for_cpu(self) -> bool:
-        return _pack_parameter(self)
+    def pack_for_cpu(self, impl: str) -> bool:
+        return _pack_parameter(self, impl)
 
     def quantize(self, impl: str) -> bool:
         return _quantize_parameter(self, impl)
@@ -195,6 +220,8 @@ class ColumnParallelLinear(nn.Module, CpuPackable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self.int8(x, self.bias)
+        if self.blocked is not None:
+            return self.blocked(x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -263,8 +290,8 @@ class RowParallelLinear(nn.Module, CpuPackable):
         assert len(shape_of(loaded)) == 1
         copy_into(param, read_all(loaded), "row-parallel bias")
 
-    def pack_for_cpu(self) -> bool:
-        return _pack_parameter(self)
+    def pack_for_cpu(self, impl: str) -> bool:
+        return _pack_parameter(self, impl)
 
     def quantize(self, impl: str) -> bool:
         return _quantize_parameter(self, impl)
@@ -273,5 +300,11 @@ class RowParallelLinear(nn.Module, CpuPackable):
         _unpack_parameter(self, keep_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight) if self.int8 is None else self.int8(x))
+        if self.int8 is not None:
+            y = self.int8(x)
+        elif self.blocked is not None:
+            y = self.blocked(x)
+        else:
+            y = linear(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

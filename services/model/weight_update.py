@@ -161,6 +161,8 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and module.packed_weight is not None:
             total += module.packed_weight.numel() * module.packed_weight.element_size()
+        if isinstance(module, ParallelLMHead) and module.blocked is not None:
+            total += module.blocked.num_bytes
     return total
 
 

@@ -26,7 +26,7 @@ from ...kv_transfer.connector import KVConnector
 from ...kv_transfer.factory import create_connector
 from ...model.config import ModelArch
 from ...model.cpu_tuning import tune_malloc_for_cpu_inference
-from ...model.linear import dense_weight
+from ...model.linear import dense_parameters
 from ...model.parallel import TPGroup, backend_for_device
 from ...roles import Role
 from ..config import EngineConfig
@@ -145,7 +145,7 @@ class ModelRank:
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, on the CPU (for inspection and tests)."""
-        return {name: dense_weight(p.detach()).cpu() for name, p in self.runner.model.named_parameters()}
+        return {name: p.cpu() for name, p in dense_parameters(self.runner.model).items()}
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -1,12 +1,14 @@
-"""oneDNN-packed linear weights on the CPU (services/model/linear.py): what gets packed, and
-that the packed model computes what the dense one does."""
+"""Packed linear weights on the CPU (services/model/linear.py): oneDNN's layout, Baton's float32
+blocks where the kernel builds (test_blocked_linear.py tests the kernel itself), what gets
+packed which way, and that the packed model computes what the dense one does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
-from baton.services.model.linear import dense_weight, linear, pack_weight_for_cpu
+from baton.services.model.blocked_linear import uses_blocked_kernel
+from baton.services.model.linear import dense_parameters, dense_weight, linear, pack_weight_for_cpu
 
 PROMPTS = ["def foo(x):", "The quick brown fox jumps over the lazy dog because", "Hello"]
 
@@ -56,9 +58,14 @@ def test_the_engine_packs_every_linear_and_keeps_the_tied_embedding_dense(qwen3_
     _, packed_runner = runner(qwen3_dir, "auto")
     model = packed_runner.model
     layer = model.model.layers[0]
+    blocks = uses_blocked_kernel(torch.ones(1), "auto")  # float32: blocks where the kernel builds
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert module.weight.layout == torch._mkldnn
-    assert model.lm_head.packed_weight is not None
+        if blocks:
+            assert module.blocked is not None and module.weight is not None and module.weight.dim() == 3
+            assert module.weight.data_ptr() == module.blocked.values.data_ptr()  # one copy
+        else:
+            assert module.blocked is None and module.weight.layout == torch._mkldnn
+    assert (model.lm_head.blocked if blocks else model.lm_head.packed_weight) is not None
     assert model.lm_head.weight is model.model.embed_tokens.weight  # qwen3 ties them
     assert model.model.embed_tokens.weight.layout == torch.strided
 
@@ -67,7 +74,7 @@ def test_the_torch_backend_keeps_dense_weights_and_both_give_the_same_logits(lla
     _, dense_runner = runner(llama_dir, "torch")
     _, packed_runner = runner(llama_dir, "auto")
     assert dense_runner.model.model.layers[0].mlp.down_proj.weight.layout == torch.strided
-    assert dense_runner.model.lm_head.packed_weight is None
+    assert dense_runner.model.lm_head.packed_weight is None and dense_runner.model.lm_head.blocked is None
     hidden = torch.randn(5, dense_runner.arch.hidden_size)
     torch.testing.assert_close(
         packed_runner.model.compute_logits(hidden), dense_runner.model.compute_logits(hidden), atol=1e-4, rtol=1e-4
@@ -82,7 +89,10 @@ def test_worker_parameters_read_back_dense(llama_dir):
     params = llm.core.executor.rank.named_parameters()
     weight = params["model.layers.0.mlp.down_proj.weight"]
     assert weight.layout == torch.strided
-    assert torch.equal(weight, dense_weight(packed_runner.model.model.layers[0].mlp.down_proj.weight))
+    assert torch.equal(weight, dense_parameters(packed_runner.model)["model.layers.0.mlp.down_proj.weight"])
+    dense_llm, _ = runner(llama_dir, "torch")  # nothing packed: the checkpoint's own values
+    for name, value in dense_llm.core.executor.rank.named_parameters().items():
+        assert torch.equal(params[name], value), name
 
 
 def test_packed_and_dense_engines_generate_the_same(llama_dir):

@@ -1,0 +1,172 @@
+// Float32 linear for the CPU on a blocked weight: y = x W^T + b, W [N, K] packed as
+//
+//     blocks[nb][k][c] = W[nb * 16 + c][k]        (c < 16; channels past N are zero)
+//
+// by services/model/blocked_linear.py, so a block of 16 output channels is one contiguous
+// run of K 64-byte lines, read front to back: one stream per block, which the hardware
+// prefetcher follows at close to the machine's copy bandwidth. oneDNN's packed layout read
+// the bench model's weights at ~18 GB/s in a decode step where this reads ~30 (2 threads).
+//
+// A register tile is up to 12 rows x 2 blocks (24 zmm accumulators) or, for up to 4 rows,
+// 4 rows x 4 blocks (more lines in flight for the memory-bound decode case): for each k, one
+// load per block and one broadcast of x[m][k] per row feed the FMAs. Accumulators hold whole
+// outputs, so nothing is reduced across lanes.
+//
+// Work is split into items of (a panel of up to 120 rows, a chunk of blocks of ~128 KB), and
+// the OpenMP team's threads take items from a shared counter rather than a static split: a
+// thread preempted by another process (the gateway, the client, Ray on a 2-core machine)
+// leaves its share to the others instead of stalling them all at the region's end.
+//
+// Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
+// baton_cpu library. Builds without AVX-512 report `blocked_linear_supported() == false`, and
+// the Python side keeps its oneDNN path.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kBlock = 16;         // output channels per block: one zmm of float32
+constexpr int64_t kPanelRows = 120;    // rows per work item: 10 tiles of 12
+constexpr int64_t kChunkBytes = 1 << 17;  // weight bytes per work item (~128 KB)
+
+struct Problem {
+  const float* x;  // [M, K]
+  const float* w;  // [NB, K, 16]
+  const float* bias;  // [N] or null
+  float* y;  // [M, N]
+  int64_t M, K, N;
+};
+
+// Rows [m0, m0 + kRows) against blocks [b0, b0 + kBlocks).
+template <int kRows, int kBlocks>
+void tile(const Problem& p, int64_t m0, int64_t b0) {
+  __m512 acc[kRows][kBlocks];
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  const float* w = p.w + b0 * p.K * kBlock;
+  for (int64_t k = 0; k < p.K; ++k) {
+    __m512 wv[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_ps(w + (b * p.K + k) * kBlock);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * p.K + k]);
+      for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t n0 = (b0 + b) * kBlock, valid = std::min<int64_t>(kBlock, p.N - n0);
+    const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(p.y + (m0 + r) * p.N + n0, mask, _mm512_add_ps(acc[r][b], bias));
+  }
+}
+
+// Every row of [m0, m1) against blocks [b0, b0 + kBlocks), in tiles of up to kMaxRows rows.
+template <int kBlocks, int kMaxRows>
+void rows_against_blocks(const Problem& p, int64_t m0, int64_t m1, int64_t b0) {
+  static_assert(kMaxRows == 4 || kMaxRows == 12, "tile heights are instantiated up to 4 or 12");
+  for (int64_t m = m0; m < m1; m += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, m1 - m)) {
+      case 1: tile<1, kBlocks>(p, m, b0); break;
+      case 2: tile<2, kBlocks>(p, m, b0); break;
+      case 3: tile<3, kBlocks>(p, m, b0); break;
+      case 4: tile<4, kBlocks>(p, m, b0); break;
+      default:
+        if constexpr (kMaxRows == 12) {
+          switch (std::min<int64_t>(12, m1 - m)) {
+            case 5: tile<5, kBlocks>(p, m, b0); break;
+            case 6: tile<6, kBlocks>(p, m, b0); break;
+            case 7: tile<7, kBlocks>(p, m, b0); break;
+            case 8: tile<8, kBlocks>(p, m, b0); break;
+            case 9: tile<9, kBlocks>(p, m, b0); break;
+            case 10: tile<10, kBlocks>(p, m, b0); break;
+            case 11: tile<11, kBlocks>(p, m, b0); break;
+            default: tile<12, kBlocks>(p, m, b0); break;
+          }
+        }
+    }
+  }
+}
+
+// Rows [m0, m1) against blocks [b0, b1).
+void run_item(const Problem& p, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  int64_t b = b0;
+  if (m1 - m0 <= 4) {
+    for (; b + 4 <= b1; b += 4) rows_against_blocks<4, 4>(p, m0, m1, b);
+  }
+  for (; b + 2 <= b1; b += 2) rows_against_blocks<2, 12>(p, m0, m1, b);
+  for (; b < b1; ++b) rows_against_blocks<1, 12>(p, m0, m1, b);
+}
+
+void blocked_linear_avx512(const Problem& p, int64_t num_blocks) {
+  // Chunks of whole 4-block groups, about kChunkBytes of weights each.
+  const int64_t block_bytes = p.K * kBlock * static_cast<int64_t>(sizeof(float));
+  const int64_t chunk = std::max<int64_t>(4, (kChunkBytes / block_bytes + 3) / 4 * 4);
+  const int64_t num_chunks = (num_blocks + chunk - 1) / chunk;
+  const int64_t num_panels = (p.M + kPanelRows - 1) / kPanelRows;
+  const int64_t num_items = num_chunks * num_panels;
+  std::atomic<int64_t> next{0};
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    // Consecutive items share a panel, so its rows stay in cache while the blocks go by.
+    for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+      const int64_t panel = item / num_chunks, c = item % num_chunks;
+      const int64_t m0 = panel * kPanelRows, b0 = c * chunk;
+      run_item(p, m0, std::min(p.M, m0 + kPanelRows), b0, std::min(num_blocks, b0 + chunk));
+    }
+  });
+}
+#endif  // __AVX512F__
+
+bool blocked_linear_supported() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                          int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && blocks.scalar_type() == at::kFloat && blocks.is_contiguous(),
+              "blocks: contiguous float32 [N/16, K, 16]");
+  TORCH_CHECK(blocks.size(1) == x.size(1), "x has ", x.size(1), " features, the weight ", blocks.size(1));
+  TORCH_CHECK(N > (blocks.size(0) - 1) * 16 && N <= blocks.size(0) * 16, "N=", N, " does not fit the blocks");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N, "bias: float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+#if defined(__AVX512F__)
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return y;
+  const Problem p{xc.data_ptr<float>(), blocks.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), x.size(0), x.size(1), N};
+  blocked_linear_avx512(p, blocks.size(0));
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no blocked linear kernel (no AVX-512)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def("blocked_linear(Tensor x, Tensor blocks, Tensor? bias, int N) -> Tensor");
+  m.def("blocked_linear_supported() -> bool", &blocked_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("blocked_linear", &blocked_linear); }

@@ -1,0 +1,100 @@
+"""The float32 blocked linear (services/model/blocked_linear.py, kernels/csrc/cpu_blocked_linear.cpp):
+the kernel against F.linear in float64 over every tile height, panel boundaries and ragged
+shapes; the layout's round trip; results that do not depend on the thread count; refused
+inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baton.kernels import cpu_ops
+from baton.services.model.blocked_linear import BLOCK, BlockedWeight, pack_blocks, unpack_blocks, uses_blocked_kernel
+
+
+def _kernel_runs() -> bool:
+    return cpu_ops.available() and bool(torch.ops.baton_cpu.blocked_linear_supported())
+
+
+needs_kernel = pytest.mark.skipif(not _kernel_runs(), reason="no blocked linear kernel here (no AVX-512 build)")
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 48), (8, 7), (17, 1), (3072, 512)])
+def test_blocks_round_trip_and_pad_with_zeros(num_out, num_in):
+    weight = _randn(num_out, num_in, seed=0)
+    blocks = pack_blocks(weight)
+    assert blocks.shape == (-(-num_out // BLOCK), num_in, BLOCK) and blocks.is_contiguous()
+    assert torch.equal(blocks[0, :, 3], weight[3]) and torch.equal(unpack_blocks(blocks, num_out), weight)
+    padding = blocks.transpose(1, 2).reshape(-1, num_in)[num_out:]
+    assert not padding.any()
+
+
+# Row counts: every register tile height (1-12, and the 4-row x 4-block tile), tiles that
+# leave a remainder, the 120-row panel's edges and several panels.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 25, 64, 119, 120, 121, 250, 300]
+SHAPES = [(96, 40), (100, 48), (8, 7), (17, 1), (40, 70), (1024, 512), (512, 1536)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("num_out", "num_in"), SHAPES)
+def test_the_kernel_equals_f_linear(rows, num_out, num_in):
+    weight, bias, x = _randn(num_out, num_in, seed=0), _randn(num_out, seed=1), _randn(rows, num_in, seed=2)
+    blocked = BlockedWeight.from_dense(weight)
+    for b in (None, bias):
+        torch.testing.assert_close(blocked(x, b).double(), _expected(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_the_kernel_takes_leading_dims_and_strided_rows():
+    weight = _randn(96, 40, seed=0)
+    blocked = BlockedWeight.from_dense(weight)
+    x = _randn(3, 6, 80, seed=1)[..., ::2]  # [3, 6, 40], not contiguous
+    y = blocked(x)
+    assert y.shape == (3, 6, 96)
+    torch.testing.assert_close(y.double(), _expected(x, weight, None), atol=1e-4, rtol=1e-4)
+    assert blocked(torch.empty(0, 40)).shape == (0, 96)
+
+
+@needs_kernel
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Each output is one thread's dot product in k order, whichever thread takes its item:
+    a replica that runs with 1 thread or 2, or whose threads are preempted, gives the same bits."""
+    weight, x = _randn(1024, 512, seed=0), _randn(37, 512, seed=1)
+    blocked = BlockedWeight.from_dense(weight)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(blocked(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_does_not_fit():
+    blocks = pack_blocks(_randn(40, 8, seed=0))  # 3 blocks
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 9), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="does not fit the blocks"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8), blocks, None, 50)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8, dtype=torch.float64), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8), blocks, torch.ones(41), 40)
+
+
+def test_only_float32_cpu_weights_with_the_kernels_are_blocked():
+    assert not uses_blocked_kernel(torch.ones(4, 4, dtype=torch.bfloat16), "auto")
+    assert not uses_blocked_kernel(torch.ones(4, 4), "torch")
+    assert uses_blocked_kernel(torch.ones(4, 4), "auto") == _kernel_runs()
