@@ -4,8 +4,9 @@ their partial sums. Each parameter carries a `weight_loader` that reads its rank
 
 On the CPU, `process_weights_after_loading` repacks the weights once the checkpoint is in.
 float32 weights go into 16-channel blocks for Baton's own kernel where it builds (an AVX-512
-CPU; blocked_linear.py): a decode step reads them ~1.6x faster than oneDNN's packed layout
-at 1-8 rows, at par at 16-32, within 10% of it at 64-2048 rows. Elsewhere, and for
+CPU; blocked_linear.py): against oneDNN's packed layout on the bench model's shapes (an AMD
+EPYC, 2 threads) 0.58-0.74x its time at 1-8 rows, 0.82-0.88x at 16-32, at par at 64-256,
+within 5% at 2,048 but for the LM head's (1.1-1.3x; prompt logprobs only). Elsewhere, and for
 bfloat16 and float16, `linear` multiplies by oneDNN's packed layout with oneDNN's GEMM
 (torch.ops.mkldnn, as torch.compile's CPU backend does). On an AMD Zen 5 (2 cores) float32
 ran there at ~490 GFLOP/s where F.linear (MKL) reaches ~200, and ~430 vs ~150 at decode
