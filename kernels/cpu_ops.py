@@ -30,6 +30,7 @@ SOURCES = [
         "cpu_fused_ops.cpp",
         "cpu_int8_linear.cpp",
         "cpu_blocked_linear.cpp",
+        "cpu_paged_prefill_attention.cpp",
     )
 ]
 # -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
@@ -67,6 +68,32 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
         key_cache.contiguous(),
         value_cache.contiguous(),
         block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+    )
+
+
+def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` has a kernel for these heads (head sizes 64, 128 and
+    256, up to 16 query heads per KV head, an AVX-512 build)."""
+    return (
+        available()
+        and head_dim in (64, 128, 256)
+        and num_heads // num_kv_heads <= 16
+        and bool(torch.ops.baton_cpu.prefill_attention_supported())
+    )
+
+
+def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float):
+    """Causal attention of each request's query chunk ([T, H, D]) over its paged context, as
+    `reference.prefill_attention_ref` (see the .cpp file)."""
+    require()
+    return torch.ops.baton_cpu.paged_prefill_attention(
+        query,
+        key_cache.contiguous(),
+        value_cache.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         float(scale),
     )

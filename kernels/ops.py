@@ -3,9 +3,8 @@
 Every op takes `impl`: "auto" picks Triton for CUDA tensors; on the CPU, the C++ kernel
 where one exists and builds (cpu_ops.py), else the torch reference. "triton" forces the
 Triton kernel (on CPU only under TRITON_INTERPRET=1, which the tests use); "cpp" forces the
-C++ kernel of an op that has one (decode attention, RMSNorm, rotary embedding fused with
-the cache write), raising if it cannot be built; "torch" forces the
-reference.
+C++ kernel of an op that has one (decode and prefill attention, RMSNorm, rotary embedding
+fused with the cache write), raising if it cannot be built; "torch" forces the reference.
 """
 
 from __future__ import annotations
@@ -77,6 +76,11 @@ def prefill_attention(
 
         return prefill_attention(
             query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+        )
+    # head sizes and GQA groups without a C++ kernel keep the reference, under "cpp" too
+    if use_cpp(impl, query) and cpu_ops.prefill_attention_supported(query.shape[1], key_cache.shape[2], query.shape[2]):
+        return cpu_ops.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
         )
     return reference.prefill_attention_ref(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale

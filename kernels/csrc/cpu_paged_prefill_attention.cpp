@@ -1,0 +1,271 @@
+// Causal prefill attention on the CPU over the paged KV cache, in place.
+//
+// The same contract as `prefill_attention_ref` (kernels/reference.py): each request's query
+// chunk (tokens [query_start_loc[r], query_start_loc[r + 1]) of `query`) sits at the end of
+// its context of seq_lens[r] tokens, whose K/V (earlier chunks, prefix-cache hits, and the
+// chunk's own, already written) are read through the block table; query i of Q sees positions
+// 0 .. L - Q + i. The reference gathers each request's context and calls torch's flash
+// attention, which ran at 44-82 GFLOP/s here (an AMD EPYC, 2 threads, float32).
+//
+// A task is one (request, KV head, tile of tokens). Its 16 vector lanes are the tile's rows,
+// (token, query head) pairs of the query heads sharing that KV head (GQA), so every score,
+// the online softmax and the weighted values are lane-wise: for each chunk of 16 keys,
+//
+//     S[t]   = sum_d qT[d] * k[t][d]                     (a zmm of 16 rows per key t)
+//     P[t]   = exp(S[t] - m_new), 0 where key t is in a row's future
+//     accT[d] = accT[d] * exp(m - m_new) + sum_t P[t] * v[t][d]
+//
+// with k[t][d] and v[t][d] broadcast from the cache row: no transposed copies of K, no
+// reductions across lanes. The queries are transposed once per task (qT [D][16]) and the
+// results once at the end. Keys are read in chunks of 16 positions, each position through
+// the block table, so any block size works; a tile stops at its last row's position.
+// Tasks go heaviest first (the most keys) from a shared counter, so a long request's last
+// tiles start early and a preempted thread leaves its work to the other.
+//
+// Head sizes 64, 128 and 256 with up to 16 query heads per KV head; ops.py keeps the
+// reference for the rest, and for builds without AVX-512 (`prefill_attention_supported`).
+// Built on first use by kernels/cpu_ops.py, joining the baton_cpu library.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // rows per task, and keys per chunk
+
+// vec_math.h's exp_approx, sixteen lanes at a time (the same polynomial; scalef puts the
+// power of two in).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Task {
+  int32_t request, kv_head, first_token, num_tokens, num_keys;  // tokens within the request's chunk
+};
+
+struct Problem {
+  const void* query;  // [T, H, D]
+  const void* key_cache;  // [num_blocks, block_size, H_kv, D]
+  const void* value_cache;
+  const int32_t* block_tables;  // [R, max_blocks]
+  const int32_t* query_start_loc;  // [R + 1]
+  const int32_t* seq_lens;  // [R]
+  void* out;  // [T, H, D]
+  int64_t num_heads, num_kv_heads, group, block_size, max_blocks;
+  int64_t q_token_stride, q_head_stride;  // query's strides (elements)
+  float scale;
+};
+
+template <typename scalar_t, int D>
+void run_task(const Problem& p, const Task& task, float* scratch) {
+  using raw = baton_cpu::raw_t<scalar_t>;
+  float* qT = scratch;                 // [D][16]
+  float* accT = qT + D * kLanes;       // [D][16]
+  float* kbuf = accT + D * kLanes;     // [16][D]: one chunk's keys as float32 (non-float caches)
+  float* vbuf = kbuf + kLanes * D;     // [16][D]
+  const int64_t r = task.request, h = task.kv_head, G = p.group;
+  const int64_t seq_len = p.seq_lens[r];
+  const int64_t num_queries = p.query_start_loc[r + 1] - p.query_start_loc[r];
+  const int64_t first_pos = seq_len - num_queries;  // the chunk's first query position
+  const int32_t* table = p.block_tables + r * p.max_blocks;
+  const raw* q = baton_cpu::raw(static_cast<const scalar_t*>(p.query));
+  const raw* kc = baton_cpu::raw(static_cast<const scalar_t*>(p.key_cache));
+  const raw* vc = baton_cpu::raw(static_cast<const scalar_t*>(p.value_cache));
+  const int64_t row_stride = p.num_kv_heads * D, block_stride = p.block_size * row_stride;
+
+  // Lanes: (token i, head g) -> i * G + g; lanes past the tile copy lane 0's position and a
+  // zero query, so they stay finite (their results are never written).
+  alignas(64) int32_t qpos[kLanes];
+  const int64_t rows = task.num_tokens * G;
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    const int64_t i = lane < rows ? lane / G : 0;
+    qpos[lane] = static_cast<int32_t>(first_pos + task.first_token + i);
+    const raw* qrow = q + (p.query_start_loc[r] + task.first_token + i) * p.q_token_stride +
+                      (h * G + (lane < rows ? lane % G : 0)) * p.q_head_stride;
+    for (int d = 0; d < D; ++d)
+      qT[d * kLanes + lane] = lane < rows ? baton_cpu::to_float<scalar_t>(qrow[d]) * p.scale : 0.f;
+  }
+  for (int d = 0; d < D; ++d) _mm512_store_ps(accT + d * kLanes, _mm512_setzero_ps());
+  const __m512i positions = _mm512_load_si512(qpos);
+  __m512 run_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 run_sum = _mm512_setzero_ps();
+  static const float zeros[256] = {};
+
+  for (int64_t p0 = 0; p0 < task.num_keys; p0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, task.num_keys - p0);
+    const float* krow[kLanes];
+    const float* vrow[kLanes];
+    for (int64_t t = 0; t < kLanes; ++t) {
+      if (t >= n) {
+        krow[t] = vrow[t] = zeros;  // masked below; any finite row will do
+        continue;
+      }
+      const int64_t pos = p0 + t;
+      const int64_t at = table[pos / p.block_size] * block_stride + (pos % p.block_size) * row_stride + h * D;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        krow[t] = kc + at;
+        vrow[t] = vc + at;
+      } else {
+        for (int d = 0; d < D; ++d) {
+          kbuf[t * D + d] = baton_cpu::to_float<scalar_t>(kc[at + d]);
+          vbuf[t * D + d] = baton_cpu::to_float<scalar_t>(vc[at + d]);
+        }
+        krow[t] = kbuf + t * D;
+        vrow[t] = vbuf + t * D;
+      }
+    }
+    // scores, one zmm of 16 rows per key
+    __m512 s[kLanes];
+    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_load_ps(qT + d * kLanes);
+      for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(qd, _mm512_set1_ps(krow[t][d]), s[t]);
+    }
+    // online softmax: key p0 + t is visible to the rows whose position is at least p0 + t
+    __mmask16 visible[kLanes];
+    __m512 chunk_max = run_max;
+    for (int t = 0; t < kLanes; ++t) {
+      visible[t] = t < n ? _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(p0 + t))) : 0;
+      chunk_max = _mm512_mask_max_ps(chunk_max, visible[t], chunk_max, s[t]);
+    }
+    const __m512 correction = exp16(_mm512_sub_ps(run_max, chunk_max));
+    run_max = chunk_max;
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < kLanes; ++t) {
+      s[t] = _mm512_maskz_mov_ps(visible[t], exp16(_mm512_sub_ps(s[t], chunk_max)));
+      sum = _mm512_add_ps(sum, s[t]);
+    }
+    run_sum = _mm512_fmadd_ps(run_sum, correction, sum);
+    // weighted values
+    for (int d = 0; d < D; ++d) {
+      __m512 acc = _mm512_mul_ps(_mm512_load_ps(accT + d * kLanes), correction);
+      for (int t = 0; t < kLanes; ++t) acc = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vrow[t][d]), acc);
+      _mm512_store_ps(accT + d * kLanes, acc);
+    }
+  }
+
+  alignas(64) float inv[kLanes];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), run_sum));  // every row sees key 0: sum > 0
+  raw* out = baton_cpu::raw(static_cast<scalar_t*>(p.out));
+  for (int64_t lane = 0; lane < rows; ++lane) {
+    const int64_t i = lane / G, g = lane % G;
+    raw* orow = out + ((p.query_start_loc[r] + task.first_token + i) * p.num_heads + h * G + g) * D;
+    for (int d = 0; d < D; ++d) orow[d] = baton_cpu::from_float<scalar_t>(accT[d * kLanes + lane] * inv[lane]);
+  }
+}
+
+template <typename scalar_t, int D>
+void prefill(const Problem& p, int64_t num_reqs) {
+  // Tasks: every request's chunk in tiles of 16 / G tokens, per KV head; heaviest first.
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kLanes / p.group);
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t num_queries = p.query_start_loc[r + 1] - p.query_start_loc[r];
+    const int64_t first_pos = p.seq_lens[r] - num_queries;
+    for (int64_t i = 0; i < num_queries; i += tokens_per_tile) {
+      const int64_t n = std::min(tokens_per_tile, num_queries - i);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h)
+        tasks.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), static_cast<int32_t>(i),
+                         static_cast<int32_t>(n), static_cast<int32_t>(first_pos + i + n)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.num_keys > b.num_keys; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1));
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    alignas(64) static thread_local float scratch[4 * 256 * kLanes];
+    for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) run_task<scalar_t, D>(p, tasks[t], scratch);
+  });
+}
+#endif  // __AVX512F__
+
+bool prefill_attention_supported() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                   const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, H, D], its last dim contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "key_cache, value_cache: contiguous [num_blocks, block_size, H_kv, D]");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "query and caches: one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "block_tables, query_start_loc, seq_lens: contiguous int32");
+  const int64_t num_heads = query.size(1), D = query.size(2), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && num_heads % num_kv_heads == 0, "heads or head size do not match the cache");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) == num_reqs,
+              "one block table and seq_len per request, query_start_loc one longer");
+  at::Tensor out = at::empty(query.sizes(), query.options());
+#if defined(__AVX512F__)
+  const int64_t group = num_heads / num_kv_heads;
+  TORCH_CHECK(group <= kLanes && (D == 64 || D == 128 || D == 256), "head size ", D, " or ", group,
+              " query heads per KV head have no kernel (64/128/256, up to 16)");
+  const Problem p{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                  query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr(), num_heads,
+                  num_kv_heads, group, key_cache.size(1), block_tables.size(1), query.stride(0), query.stride(1),
+                  static_cast<float>(scale)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 has no kernel");
+    } else if (D == 64) {
+      prefill<scalar_t, 64>(p, num_reqs);
+    } else if (D == 128) {
+      prefill<scalar_t, 128>(p, num_reqs);
+    } else {
+      prefill<scalar_t, 256>(p, num_reqs);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "this build has no prefill attention kernel (no AVX-512)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def(
+      "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+  m.def("prefill_attention_supported() -> bool", &prefill_attention_supported);
+}
+
+TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
