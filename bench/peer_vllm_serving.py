@@ -283,7 +283,12 @@ def run_serving(args, save) -> None:
         order = ("baton", "vllm") if i % 2 == 0 else ("vllm", "baton")
         seed = 31 + 10 * i
         print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}, seeds {seed}-{seed + len(LOADS)}", flush=True)
-        rounds.append({name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval, args.direct_ingress) for name in order})
+        rounds.append(
+            {
+                name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval, args.direct_ingress)
+                for name in order
+            }
+        )
         print_round(i, rounds[-1])
     ratios = summary(rounds)
     print_summary(ratios)

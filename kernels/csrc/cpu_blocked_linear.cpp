@@ -1,14 +1,19 @@
-// Float32 linear for the CPU on a blocked weight: y = x W^T + b, W [N, K] packed as
+// Linear layers for the CPU on a blocked weight: y = x W^T + b, W [N, K] packed by
+// services/model/blocked_linear.py as
 //
-//     blocks[nb][k][c] = W[nb * 16 + c][k]        (c < 16; channels past N are zero)
+//     float32:   blocks[nb][k][c]     = W[nb * 16 + c][k]              [N/16, K, 16]
+//     bfloat16:  blocks[nb][p][c][j]  = W[nb * 16 + c][2 p + j]        [N/16, K/2, 16, 2]
 //
-// by services/model/blocked_linear.py, so a block of 16 output channels is one contiguous
-// run of K 64-byte lines, read front to back: one stream per block, which the hardware
-// prefetcher follows at close to the machine's copy bandwidth. oneDNN's packed layout read
-// the bench model's weights at ~18 GB/s in a decode step where this reads ~30 (2 threads).
+// (c < 16; channels past N and the k past an odd K are zero), so a block of 16 output
+// channels is one contiguous run of 64-byte lines, read front to back: one stream per block,
+// which the hardware prefetcher follows at close to the machine's copy bandwidth. oneDNN's
+// packed layout read the bench model's float32 weights at ~18 GB/s in a decode step where
+// this reads ~30 (2 threads). bfloat16 takes k in pairs, AVX512-BF16's order: one
+// vdpbf16ps multiplies a line of 16 channels x 2 k by a broadcast pair of activations and
+// accumulates in float32 (twice the multiply-adds of a float32 FMA, half the bytes).
 //
-// A register tile is 4 blocks x up to 6 rows (24 zmm accumulators): for each k, one load per
-// block and one broadcast of x[m][k] per row feed the FMAs, 10 loads for 24 FMAs (12 rows x 2
+// A register tile is 4 blocks x up to 6 rows (24 zmm accumulators): for each k (pair), one
+// load per block and one broadcast of x[m][k] (the pair) per row feed the FMAs, 10 loads for 24 FMAs (12 rows x 2
 // blocks took 14 and ran 5-15% slower at 16-2,048 rows). Blocks left over at a chunk's end
 // take 2- and 1-block tiles of up to 12 rows. Accumulators hold whole outputs, so nothing is
 // reduced across lanes.
@@ -19,8 +24,9 @@
 // leaves its share to the others instead of stalling them all at the region's end.
 //
 // Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
-// baton_cpu library. Builds without AVX-512 report `blocked_linear_supported() == false`, and
-// the Python side keeps its oneDNN path.
+// baton_cpu library. `blocked_linear_supported(dtype)` says which dtypes this build has a
+// kernel for (float32 with AVX-512, bfloat16 with AVX512-BF16 and no AMX); the Python side
+// keeps oneDNN for the others.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +35,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -42,41 +50,88 @@ constexpr int64_t kBlock = 16;         // output channels per block: one zmm of 
 constexpr int64_t kPanelRows = 120;    // rows per work item: 10 tiles of 12
 constexpr int64_t kChunkBytes = 1 << 17;  // weight bytes per work item (~128 KB)
 
+// T: float, or uint16_t for bfloat16 (raw bits).
+template <typename T>
 struct Problem {
-  const float* x;  // [M, K]
-  const float* w;  // [NB, K, 16]
-  const float* bias;  // [N] or null
-  float* y;  // [M, N]
+  const T* x;  // [M, K]
+  const T* w;  // the blocks
+  const T* bias;  // [N] or null
+  T* y;  // [M, N]
   int64_t M, K, N;
 };
 
+// 16 values of y as float32, written as T (bfloat16 rounded to nearest even).
+inline void store16(float* y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+#if defined(__AVX512BF16__)
+inline void store16(uint16_t* y, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 load16(const uint16_t* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// x's pair (k, k + 1) as one 32-bit lane; `last` is an odd K's final k (its partner is 0).
+inline __m512i pair_of(const uint16_t* x, bool last) {
+  uint32_t v = x[0];
+  if (!last) std::memcpy(&v, x, sizeof(v));
+  return _mm512_set1_epi32(static_cast<int32_t>(v));
+}
+#endif
+
+template <int kRows, int kBlocks, typename T>
+void accumulate(const Problem<T>& p, int64_t m0, int64_t b0, __m512 (&acc)[kRows][kBlocks]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float* x = p.x + m0 * p.K;
+    const float* w = p.w + b0 * p.K * kBlock;
+    for (int64_t k = 0; k < p.K; ++k) {
+      __m512 wv[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_ps(w + (b * p.K + k) * kBlock);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * p.K + k]);
+        for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
+      }
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    const int64_t num_pairs = (p.K + 1) / 2;
+    const uint16_t* x = p.x + m0 * p.K;
+    const uint16_t* w = p.w + b0 * num_pairs * 2 * kBlock;
+    auto step = [&](int64_t q, auto pair) {
+      __m512i wv[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_si512(w + (b * num_pairs + q) * 2 * kBlock);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh xv = (__m512bh)pair(x + r * p.K + 2 * q);
+        for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, (__m512bh)wv[b]);
+      }
+    };
+    const int64_t full = p.K / 2;
+    for (int64_t q = 0; q < full; ++q) step(q, [](const uint16_t* xp) { return pair_of(xp, false); });
+    if (full < num_pairs) step(full, [](const uint16_t* xp) { return pair_of(xp, true); });
+#endif
+  }
+}
+
 // Rows [m0, m0 + kRows) against blocks [b0, b0 + kBlocks).
-template <int kRows, int kBlocks>
-void tile(const Problem& p, int64_t m0, int64_t b0) {
+template <int kRows, int kBlocks, typename T>
+void tile(const Problem<T>& p, int64_t m0, int64_t b0) {
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
     for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
-  const float* x = p.x + m0 * p.K;
-  const float* w = p.w + b0 * p.K * kBlock;
-  for (int64_t k = 0; k < p.K; ++k) {
-    __m512 wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_ps(w + (b * p.K + k) * kBlock);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * p.K + k]);
-      for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
-    }
-  }
+  accumulate<kRows, kBlocks>(p, m0, b0, acc);
   for (int b = 0; b < kBlocks; ++b) {
     const int64_t n0 = (b0 + b) * kBlock, valid = std::min<int64_t>(kBlock, p.N - n0);
     const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(p.y + (m0 + r) * p.N + n0, mask, _mm512_add_ps(acc[r][b], bias));
+    const __m512 bias = p.bias ? load16(p.bias + n0, mask) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) store16(p.y + (m0 + r) * p.N + n0, mask, _mm512_add_ps(acc[r][b], bias));
   }
 }
 
 // Every row of [m0, m1) against blocks [b0, b0 + kBlocks), in tiles of up to kMaxRows rows.
-template <int kBlocks, int kMaxRows>
-void rows_against_blocks(const Problem& p, int64_t m0, int64_t m1, int64_t b0) {
+template <int kBlocks, int kMaxRows, typename T>
+void rows_against_blocks(const Problem<T>& p, int64_t m0, int64_t m1, int64_t b0) {
   static_assert(kMaxRows == 4 || kMaxRows == 6 || kMaxRows == 12, "tile heights are instantiated up to 4, 6 or 12");
   for (int64_t m = m0; m < m1; m += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, m1 - m)) {
@@ -105,7 +160,8 @@ void rows_against_blocks(const Problem& p, int64_t m0, int64_t m1, int64_t b0) {
 }
 
 // Rows [m0, m1) against blocks [b0, b1).
-void run_item(const Problem& p, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+template <typename T>
+void run_item(const Problem<T>& p, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   int64_t b = b0;
   if (m1 - m0 <= 4) {
     for (; b + 4 <= b1; b += 4) rows_against_blocks<4, 4>(p, m0, m1, b);
@@ -116,9 +172,10 @@ void run_item(const Problem& p, int64_t m0, int64_t m1, int64_t b0, int64_t b1) 
   for (; b < b1; ++b) rows_against_blocks<1, 12>(p, m0, m1, b);
 }
 
-void blocked_linear_avx512(const Problem& p, int64_t num_blocks) {
+template <typename T>
+void blocked_linear_avx512(const Problem<T>& p, int64_t num_blocks) {
   // Chunks of whole 4-block groups, about kChunkBytes of weights each.
-  const int64_t block_bytes = p.K * kBlock * static_cast<int64_t>(sizeof(float));
+  const int64_t block_bytes = (p.K + 1) / 2 * 2 * kBlock * static_cast<int64_t>(sizeof(T));
   const int64_t chunk = std::max<int64_t>(4, (kChunkBytes / block_bytes + 3) / 4 * 4);
   const int64_t num_chunks = (num_blocks + chunk - 1) / chunk;
   const int64_t num_panels = (p.M + kPanelRows - 1) / kPanelRows;
@@ -138,43 +195,60 @@ void blocked_linear_avx512(const Problem& p, int64_t num_blocks) {
 }
 #endif  // __AVX512F__
 
-bool blocked_linear_supported() {
+// bfloat16 only without AMX: where the CPU has it, oneDNN's AMX GEMMs multiply bfloat16
+// several times faster than vdpbf16ps can (the 512x3072 projection at 512 rows: ~1.9
+// TFLOP/s on 2 Xeon cores), so they keep bfloat16 layers.
+bool blocked_linear_supported(at::ScalarType dtype) {
 #if defined(__AVX512F__)
-  return true;
-#else
-  return false;
+  if (dtype == at::kFloat) return true;
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+  if (dtype == at::kBFloat16) return true;
 #endif
+#endif
+  return false;
 }
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                           int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && blocks.scalar_type() == at::kFloat && blocks.is_contiguous(),
-              "blocks: contiguous float32 [N/16, K, 16]");
-  TORCH_CHECK(blocks.size(1) == x.size(1), "x has ", x.size(1), " features, the weight ", blocks.size(1));
+  const at::ScalarType dtype = blocks.scalar_type();
+  TORCH_CHECK(blocked_linear_supported(dtype), "this build has no blocked linear kernel for ", dtype);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "x: [M, K] of the weight's dtype (", dtype, ")");
+  const bool pairs = dtype == at::kBFloat16;
+  TORCH_CHECK(blocks.is_contiguous() && blocks.dim() == (pairs ? 4 : 3) && blocks.size(2) == 16 &&
+                  (!pairs || blocks.size(3) == 2),
+              "blocks: contiguous ", pairs ? "[N/16, K/2, 16, 2]" : "[N/16, K, 16]");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(pairs ? blocks.size(1) == (K + 1) / 2 : blocks.size(1) == K, "x has ", K,
+              " features, the weight's blocks do not");
   TORCH_CHECK(N > (blocks.size(0) - 1) * 16 && N <= blocks.size(0) * 16, "N=", N, " does not fit the blocks");
-  const float* bias_ptr = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N, "bias: float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == dtype && bias->numel() == N,
+                "bias: [N] of the weight's dtype");
   }
-#if defined(__AVX512F__)
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return y;
-  const Problem p{xc.data_ptr<float>(), blocks.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), x.size(0), x.size(1), N};
-  blocked_linear_avx512(p, blocks.size(0));
-  return y;
-#else
-  TORCH_CHECK(false, "this build has no blocked linear kernel (no AVX-512)");
+#if defined(__AVX512F__)
+  if (!pairs) {
+    const Problem<float> p{xc.data_ptr<float>(), blocks.data_ptr<float>(),
+                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), x.size(0), K, N};
+    blocked_linear_avx512(p, blocks.size(0));
+  } else {
+#if defined(__AVX512BF16__)
+    auto raw = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    const Problem<uint16_t> p{raw(xc), raw(blocks), bias.has_value() ? raw(*bias) : nullptr, raw(y), x.size(0), K, N};
+    blocked_linear_avx512(p, blocks.size(0));
 #endif
+  }
+#endif
+  return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("blocked_linear(Tensor x, Tensor blocks, Tensor? bias, int N) -> Tensor");
-  m.def("blocked_linear_supported() -> bool", &blocked_linear_supported);
+  m.def("blocked_linear_supported(ScalarType dtype) -> bool", &blocked_linear_supported);
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("blocked_linear", &blocked_linear); }

@@ -112,8 +112,9 @@ class RunnerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
     kernel_backend: Literal["auto", "torch", "triton", "cpp"] = Field(
         "auto",
-        description="Kernels. auto: Triton on CUDA; on CPU oneDNN-packed float32 linear weights and the C++ "
-        "decode attention (built at start-up; the torch reference where it cannot be built). cpp: as auto on "
+        description="Kernels. auto: Triton on CUDA; on CPU Baton's blocked linear weights (float32; bfloat16 "
+        "without AMX; oneDNN-packed otherwise) and the C++ decode and prefill attention (built at start-up; the "
+        "torch references where they cannot be built). cpp: as auto on "
         "CPU, but failing at start-up without the C++ kernel. torch: torch references and F.linear throughout",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")

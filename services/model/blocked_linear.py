@@ -1,8 +1,10 @@
-"""Float32 weights in blocks of 16 output channels, for the CPU's blocked linear kernel.
+"""Weights in blocks of 16 output channels, for the CPU's blocked linear kernel.
 
-    blocks[nb][k][c] = W[nb * 16 + c][k]        [N/16, K, 16], channels past N zero
+    float32:   blocks[nb][k][c]    = W[nb * 16 + c][k]         [N/16, K, 16]
+    bfloat16:  blocks[nb][p][c][j] = W[nb * 16 + c][2 p + j]   [N/16, K/2, 16, 2]
 
-kernels/csrc/cpu_blocked_linear.cpp multiplies by this layout: each block is one contiguous
+(channels past N and a k past an odd K are zero). kernels/csrc/cpu_blocked_linear.cpp
+multiplies by this layout (bfloat16 in k-pairs, as AVX512-BF16 multiplies): each block is one contiguous
 run of 64-byte lines, so a decode step reads the weights as a few long streams (the layout's
 reason: oneDNN's packed weights read at ~18 GB/s in a small decode batch, these at ~30 on the
 same 2 cores), and the kernel's threads share the work from a counter, so a thread that
@@ -20,34 +22,49 @@ from baton.kernels import cpu_ops
 BLOCK = 16  # output channels per block (cpu_blocked_linear.cpp)
 
 
+def _pairs(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16
+
+
 def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16], zero past N."""
+    """[N, K] -> the module docstring's layout for its dtype, zero where padded."""
     num_out, num_in = weight.shape
     num_blocks = -(-num_out // BLOCK)
-    padded = weight.new_zeros(num_blocks * BLOCK, num_in)
-    padded[:num_out] = weight
-    return padded.view(num_blocks, BLOCK, num_in).transpose(1, 2).contiguous()
+    if not _pairs(weight.dtype):
+        padded = weight.new_zeros(num_blocks * BLOCK, num_in)
+        padded[:num_out] = weight
+        return padded.view(num_blocks, BLOCK, num_in).transpose(1, 2).contiguous()
+    num_pairs = -(-num_in // 2)
+    padded = weight.new_zeros(num_blocks * BLOCK, 2 * num_pairs)
+    padded[:num_out, :num_in] = weight
+    return padded.view(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2).contiguous()
 
 
-def unpack_blocks(blocks: torch.Tensor, num_out: int) -> torch.Tensor:
-    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])[:num_out].contiguous()
+def unpack_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The dense [N, K] weight `shape` of `pack_blocks`' result."""
+    num_out, num_in = shape
+    dense = blocks.transpose(1, 2).reshape(blocks.shape[0] * BLOCK, -1)  # pairs: (p, j) -> k = 2 p + j
+    return dense[:num_out, :num_in].contiguous()
 
 
 def uses_blocked_kernel(weight: torch.Tensor, impl: str) -> bool:
-    """The blocked kernel for a float32 CPU weight, with impl "auto" (where the kernels build
-    for an AVX-512 CPU) or "cpp"; oneDNN elsewhere (linear.py)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or impl not in ("auto", "cpp"):
+    """The blocked kernel for a CPU weight whose dtype this build has it for (float32 on an
+    AVX-512 CPU, bfloat16 where it also has AVX512-BF16 but no AMX, whose oneDNN GEMMs are
+    faster), with impl "auto" (where the kernels build) or "cpp"; oneDNN elsewhere (linear.py)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if impl not in ("auto", "cpp"):
         return False
     if impl == "cpp":
         cpu_ops.require()
     elif not cpu_ops.available():
         return False
-    return bool(torch.ops.baton_cpu.blocked_linear_supported())
+    return bool(torch.ops.baton_cpu.blocked_linear_supported(weight.dtype))
 
 
 @dataclass(slots=True, eq=False)
 class BlockedWeight:
-    """One layer's float32 weight as blocks; `shape` is the dense [N, K]."""
+    """One layer's weight as blocks; `shape` is the dense [N, K]."""
 
     values: torch.Tensor
     shape: tuple[int, int]
@@ -57,7 +74,7 @@ class BlockedWeight:
         return cls(pack_blocks(weight.detach()), tuple(weight.shape))
 
     def dense(self) -> torch.Tensor:
-        return unpack_blocks(self.values, self.shape[0])
+        return unpack_blocks(self.values, self.shape)
 
     @property
     def num_bytes(self) -> int:

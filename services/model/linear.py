@@ -4,17 +4,20 @@ their partial sums. Each parameter carries a `weight_loader` that reads its rank
 
 On the CPU, `process_weights_after_loading` repacks the weights once the checkpoint is in.
 float32 weights go into 16-channel blocks for Baton's own kernel where it builds (an AVX-512
-CPU; blocked_linear.py): against oneDNN's packed layout on the bench model's shapes (an AMD
-EPYC, 2 threads) 0.58-0.74x its time at 1-8 rows, 0.82-0.88x at 16-32, at par at 64-256,
-within 5% at 2,048 but for the LM head's (1.1-1.3x; prompt logprobs only). Elsewhere, and for
-bfloat16 and float16, `linear` multiplies by oneDNN's packed layout with oneDNN's GEMM
-(torch.ops.mkldnn, as torch.compile's CPU backend does). On an AMD Zen 5 (2 cores) float32
-ran there at ~490 GFLOP/s where F.linear (MKL) reaches ~200, and ~430 vs ~150 at decode
-sizes (32 rows). bfloat16 and float16 weights are packed where the CPU multiplies them
-natively (AMX on an Intel Xeon: the 512x3072 gate/up projection takes 0.86 ms for 512 rows
-packed, 1.0 ms through F.linear, 5.5 ms in float32; 124 vs 186 us at 8 rows). The repacked
-tensor replaces the dense weight, so memory does not grow; `dense_weight` (a layer's
-`dense_parameters`) turns it back for whoever reads weights.
+CPU; blocked_linear.py), and so do bfloat16 weights where the CPU has AVX512-BF16 but no
+AMX. Against oneDNN's packed layout on the bench model's shapes (an AMD EPYC, 2 threads):
+float32 0.58-0.74x its time at 1-8 rows, 0.82-0.88x at 16-32, at par at 64-256, within 5%
+at 2,048 but for the LM head's shape (1.1-1.3x; prompt logprobs only); bfloat16 0.65-0.79x
+at 1-4 rows, 0.89x at 16, at par at 64, 1.07-1.09x at 256-2,048 (a bfloat16 decode step of
+1-2 requests 2.9-3.4 ms instead of 5.6-6.9). Elsewhere, and for float16, `linear` multiplies
+by oneDNN's packed layout with oneDNN's GEMM (torch.ops.mkldnn, as torch.compile's CPU
+backend does). On an AMD Zen 5 (2 cores) float32 ran there at ~490 GFLOP/s where F.linear
+(MKL) reaches ~200, and ~430 vs ~150 at decode sizes (32 rows). bfloat16 and float16 weights
+are packed where the CPU multiplies them natively (AMX on an Intel Xeon: the 512x3072
+gate/up projection takes 0.86 ms for 512 rows packed, 1.0 ms through F.linear, 5.5 ms in
+float32; 124 vs 186 us at 8 rows). Either way the repacked tensor replaces the dense
+weight, so memory does not grow; `dense_weight` (a layer's `dense_parameters`) turns it back
+for whoever reads weights.
 
 With quantization "int8" (int8_linear.py) the same step quantizes each layer instead: the
 int8 blocks replace the float weight, and unpacking for a weight update dequantizes, so an

@@ -1,7 +1,7 @@
-"""The float32 blocked linear (services/model/blocked_linear.py, kernels/csrc/cpu_blocked_linear.cpp):
-the kernel against F.linear in float64 over every tile height, panel boundaries and ragged
-shapes; the layout's round trip; results that do not depend on the thread count; refused
-inputs."""
+"""The blocked linear (services/model/blocked_linear.py, kernels/csrc/cpu_blocked_linear.cpp),
+float32 and bfloat16: the kernel against F.linear in float64 over every tile height, panel
+boundaries and ragged shapes (odd K for bfloat16's pairs); the layouts' round trip; results
+that do not depend on the thread count; refused inputs."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from baton.kernels import cpu_ops
 from baton.services.model.blocked_linear import BLOCK, BlockedWeight, pack_blocks, unpack_blocks, uses_blocked_kernel
 
 
-def _kernel_runs() -> bool:
-    return cpu_ops.available() and bool(torch.ops.baton_cpu.blocked_linear_supported())
+def _kernel_runs(dtype: torch.dtype = torch.float32) -> bool:
+    return cpu_ops.available() and bool(torch.ops.baton_cpu.blocked_linear_supported(dtype))
 
 
 needs_kernel = pytest.mark.skipif(not _kernel_runs(), reason="no blocked linear kernel here (no AVX-512 build)")
+needs_bf16_kernel = pytest.mark.skipif(
+    not _kernel_runs(torch.bfloat16), reason="no bfloat16 blocked linear here (no AVX512-BF16 build)"
+)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -32,9 +35,21 @@ def test_blocks_round_trip_and_pad_with_zeros(num_out, num_in):
     weight = _randn(num_out, num_in, seed=0)
     blocks = pack_blocks(weight)
     assert blocks.shape == (-(-num_out // BLOCK), num_in, BLOCK) and blocks.is_contiguous()
-    assert torch.equal(blocks[0, :, 3], weight[3]) and torch.equal(unpack_blocks(blocks, num_out), weight)
+    assert torch.equal(blocks[0, :, 3], weight[3]) and torch.equal(unpack_blocks(blocks, weight.shape), weight)
     padding = blocks.transpose(1, 2).reshape(-1, num_in)[num_out:]
     assert not padding.any()
+
+
+@pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 47), (8, 7), (17, 1)])
+def test_bfloat16_blocks_take_k_in_pairs(num_out, num_in):
+    weight = _randn(num_out, num_in, seed=0).bfloat16()
+    blocks = pack_blocks(weight)
+    num_pairs = -(-num_in // 2)
+    assert blocks.shape == (-(-num_out // BLOCK), num_pairs, BLOCK, 2) and blocks.is_contiguous()
+    assert torch.equal(blocks[0, 0, 3], weight[3, :2]) if num_in > 1 else torch.equal(blocks[0, 0, 3, 0], weight[3, 0])
+    assert torch.equal(unpack_blocks(blocks, weight.shape), weight)
+    if num_in % 2:
+        assert not blocks[:, -1, :, 1].any()  # the odd K's missing partner
 
 
 # Row counts: every register tile height (1-12, and the 4-row x 4-block tile), tiles that
@@ -51,6 +66,21 @@ def test_the_kernel_equals_f_linear(rows, num_out, num_in):
     blocked = BlockedWeight.from_dense(weight)
     for b in (None, bias):
         torch.testing.assert_close(blocked(x, b).double(), _expected(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 12, 13, 25, 121])
+@pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 47), (8, 7), (17, 1), (1024, 512)])
+def test_the_bfloat16_kernel_equals_f_linear(rows, num_out, num_in):
+    """float32 sums of exact bfloat16 products, rounded to bfloat16 once: within one bf16 ulp
+    of the float64 result."""
+    weight, bias = _randn(num_out, num_in, seed=0).bfloat16(), _randn(num_out, seed=1).bfloat16()
+    x = _randn(rows, num_in, seed=2).bfloat16()
+    blocked = BlockedWeight.from_dense(weight)
+    for b in (None, bias):
+        y = blocked(x, b)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), _expected(x, weight, b), atol=2e-2, rtol=1.6e-2)
 
 
 @needs_kernel
@@ -86,15 +116,20 @@ def test_the_kernel_refuses_what_does_not_fit():
     blocks = pack_blocks(_randn(40, 8, seed=0))  # 3 blocks
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.baton_cpu.blocked_linear(torch.ones(2, 9), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8).bfloat16(), blocks, None, 40)
     with pytest.raises(RuntimeError, match="does not fit the blocks"):
         torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8), blocks, None, 50)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="dtype"):
         torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8, dtype=torch.float64), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="no blocked linear kernel for Double"):
+        torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8, dtype=torch.float64), blocks.double(), None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.baton_cpu.blocked_linear(torch.ones(2, 8), blocks, torch.ones(41), 40)
 
 
-def test_only_float32_cpu_weights_with_the_kernels_are_blocked():
-    assert not uses_blocked_kernel(torch.ones(4, 4, dtype=torch.bfloat16), "auto")
+def test_which_weights_are_blocked():
+    assert not uses_blocked_kernel(torch.ones(4, 4, dtype=torch.float16), "auto")
     assert not uses_blocked_kernel(torch.ones(4, 4), "torch")
     assert uses_blocked_kernel(torch.ones(4, 4), "auto") == _kernel_runs()
+    assert uses_blocked_kernel(torch.ones(4, 4, dtype=torch.bfloat16), "auto") == _kernel_runs(torch.bfloat16)

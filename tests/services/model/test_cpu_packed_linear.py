@@ -84,6 +84,23 @@ def test_the_torch_backend_keeps_dense_weights_and_both_give_the_same_logits(lla
     torch.testing.assert_close(down(x), dense_runner.model.model.layers[0].mlp.down_proj(x), atol=1e-4, rtol=1e-4)
 
 
+def test_bfloat16_packed_and_dense_give_the_same_logits(llama_dir):
+    """bfloat16 layers (blocks where the CPU has AVX512-BF16 without AMX, oneDNN's layout
+    elsewhere) against plain F.linear: float32 sums of the same bfloat16 products."""
+    dense = LLM(model=str(llama_dir), kernel_backend="torch", num_kv_blocks=64, dtype="bfloat16")
+    packed = LLM(model=str(llama_dir), kernel_backend="auto", num_kv_blocks=64, dtype="bfloat16")
+    dense_model = dense.core.executor.rank.runner.model
+    packed_model = packed.core.executor.rank.runner.model
+    down = packed_model.model.layers[0].mlp.down_proj
+    assert (down.blocked is not None) == uses_blocked_kernel(torch.ones(1, dtype=torch.bfloat16), "auto")
+    x = torch.randn(5, down.input_size_per_rank).bfloat16()
+    torch.testing.assert_close(down(x), dense_model.model.layers[0].mlp.down_proj(x), atol=2e-2, rtol=1.6e-2)
+    hidden = torch.randn(3, dense_model.arch.hidden_size).bfloat16()
+    torch.testing.assert_close(
+        packed_model.compute_logits(hidden), dense_model.compute_logits(hidden), atol=5e-2, rtol=1.6e-2
+    )
+
+
 def test_worker_parameters_read_back_dense(llama_dir):
     llm, packed_runner = runner(llama_dir, "auto")
     params = llm.core.executor.rank.named_parameters()
