@@ -12,11 +12,13 @@
 // vdpbf16ps multiplies a line of 16 channels x 2 k by a broadcast pair of activations and
 // accumulates in float32 (twice the multiply-adds of a float32 FMA, half the bytes).
 //
-// A register tile is 4 blocks x up to 6 rows (24 zmm accumulators): for each k (pair), one
-// load per block and one broadcast of x[m][k] (the pair) per row feed the FMAs, 10 loads for 24 FMAs (12 rows x 2
-// blocks took 14 and ran 5-15% slower at 16-2,048 rows). Blocks left over at a chunk's end
-// take 2- and 1-block tiles of up to 12 rows. Accumulators hold whole outputs, so nothing is
-// reduced across lanes.
+// With AVX-512 a register tile is 4 blocks x up to 6 rows (24 zmm accumulators): for each k
+// (pair), one load per block and one broadcast of x[m][k] (the pair) per row feed the FMAs,
+// 10 loads for 24 FMAs (12 rows x 2 blocks took 14 and ran 5-15% slower at 16-2,048 rows).
+// Blocks left over at a chunk's end take 2- and 1-block tiles of up to 12 rows. AVX2 CPUs
+// (float32 only) have 16 ymm registers: a tile there is 1 block (two ymm) x up to 6 rows, and
+// 2 x 2 or 4 x 1 for one or two rows. Accumulators hold whole outputs, so nothing is reduced
+// across lanes.
 //
 // Work is split into items of (a panel of up to 120 rows, a chunk of blocks of ~128 KB), and
 // the OpenMP team's threads take items from a shared counter rather than a static split: a
@@ -25,8 +27,8 @@
 //
 // Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
 // baton_cpu library. `blocked_linear_supported(dtype)` says which dtypes this build has a
-// kernel for (float32 with AVX-512, bfloat16 with AVX512-BF16 and no AMX); the Python side
-// keeps oneDNN for the others.
+// kernel for (float32 with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16 and no AMX);
+// the Python side keeps oneDNN for the others.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,15 +41,16 @@
 #include <optional>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define BATON_BLOCKED_F32 1
 #endif
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kBlock = 16;         // output channels per block: one zmm of float32
-constexpr int64_t kPanelRows = 120;    // rows per work item: 10 tiles of 12
+#if defined(BATON_BLOCKED_F32)
+constexpr int64_t kBlock = 16;         // output channels per block: one zmm (two ymm) of float32
+constexpr int64_t kPanelRows = 120;    // rows per work item: 10 tiles of 12 (20 of 6 on AVX2)
 constexpr int64_t kChunkBytes = 1 << 17;  // weight bytes per work item (~128 KB)
 
 // T: float, or uint16_t for bfloat16 (raw bits).
@@ -59,6 +62,9 @@ struct Problem {
   T* y;  // [M, N]
   int64_t M, K, N;
 };
+#endif
+
+#if defined(__AVX512F__)
 
 // 16 values of y as float32, written as T (bfloat16 rounded to nearest even).
 inline void store16(float* y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
@@ -172,8 +178,68 @@ void run_item(const Problem<T>& p, int64_t m0, int64_t m1, int64_t b0, int64_t b
   for (; b < b1; ++b) rows_against_blocks<1, 12>(p, m0, m1, b);
 }
 
+#elif defined(BATON_BLOCKED_F32)
+// AVX2 (float32 only): a block is two ymm of 8 channels, and 16 registers hold 12
+// accumulators: 1 block x up to 6 rows (2 loads and 6 broadcasts per 12 FMAs), 2 blocks x
+// 2 rows, or 4 blocks x 1 row (8 independent sums, enough to hide the FMA latency).
+template <int kRows, int kBlocks>
+void tile(const Problem<float>& p, int64_t m0, int64_t b0) {
+  constexpr int kCols = 2 * kBlocks;  // ymm per row
+  __m256 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kCols; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t K = p.K;
+  const float* x = p.x + m0 * K;
+  const float* w = p.w + b0 * K * kBlock;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[kCols];
+    for (int j = 0; j < kCols; ++j) wv[j] = _mm256_loadu_ps(w + ((j / 2) * K + k) * kBlock + 8 * (j % 2));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      for (int j = 0; j < kCols; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 8
+  for (int j = 0; j < kCols; ++j) {
+    // Unrolled, with no early exit: constant indices keep the accumulators in registers.
+    const int64_t n0 = b0 * kBlock + 8 * j, valid = std::clamp<int64_t>(p.N - n0, 0, 8);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lanes);
+    const __m256 bias = p.bias ? _mm256_maskload_ps(p.bias + n0, mask) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) _mm256_maskstore_ps(p.y + (m0 + r) * p.N + n0, mask, _mm256_add_ps(acc[r][j], bias));
+  }
+}
+
+void run_item(const Problem<float>& p, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  const int64_t rows = m1 - m0;
+  int64_t b = b0;
+  if (rows == 1) {
+    for (; b + 4 <= b1; b += 4) tile<1, 4>(p, m0, b);
+    for (; b < b1; ++b) tile<1, 1>(p, m0, b);
+  } else if (rows == 2) {
+    for (; b + 2 <= b1; b += 2) tile<2, 2>(p, m0, b);
+    for (; b < b1; ++b) tile<2, 1>(p, m0, b);
+  } else {
+    for (; b < b1; ++b) {
+      for (int64_t m = m0; m < m1; m += 6) {
+        switch (std::min<int64_t>(6, m1 - m)) {
+          case 1: tile<1, 1>(p, m, b); break;
+          case 2: tile<2, 1>(p, m, b); break;
+          case 3: tile<3, 1>(p, m, b); break;
+          case 4: tile<4, 1>(p, m, b); break;
+          case 5: tile<5, 1>(p, m, b); break;
+          default: tile<6, 1>(p, m, b); break;
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512F__, AVX2
+
+#if defined(BATON_BLOCKED_F32)
 template <typename T>
-void blocked_linear_avx512(const Problem<T>& p, int64_t num_blocks) {
+void blocked_linear_parallel(const Problem<T>& p, int64_t num_blocks) {
   // Chunks of whole 4-block groups, about kChunkBytes of weights each.
   const int64_t block_bytes = (p.K + 1) / 2 * 2 * kBlock * static_cast<int64_t>(sizeof(T));
   const int64_t chunk = std::max<int64_t>(4, (kChunkBytes / block_bytes + 3) / 4 * 4);
@@ -193,17 +259,17 @@ void blocked_linear_avx512(const Problem<T>& p, int64_t num_blocks) {
     }
   });
 }
-#endif  // __AVX512F__
+#endif  // BATON_BLOCKED_F32
 
 // bfloat16 only without AMX: where the CPU has it, oneDNN's AMX GEMMs multiply bfloat16
 // several times faster than vdpbf16ps can (the 512x3072 projection at 512 rows: ~1.9
 // TFLOP/s on 2 Xeon cores), so they keep bfloat16 layers.
 bool blocked_linear_supported(at::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(BATON_BLOCKED_F32)
   if (dtype == at::kFloat) return true;
+#endif
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
   if (dtype == at::kBFloat16) return true;
-#endif
 #endif
   return false;
 }
@@ -228,16 +294,16 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocks, const s
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return y;
-#if defined(__AVX512F__)
+#if defined(BATON_BLOCKED_F32)
   if (!pairs) {
     const Problem<float> p{xc.data_ptr<float>(), blocks.data_ptr<float>(),
                            bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), x.size(0), K, N};
-    blocked_linear_avx512(p, blocks.size(0));
+    blocked_linear_parallel(p, blocks.size(0));
   } else {
 #if defined(__AVX512BF16__)
     auto raw = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     const Problem<uint16_t> p{raw(xc), raw(blocks), bias.has_value() ? raw(*bias) : nullptr, raw(y), x.size(0), K, N};
-    blocked_linear_avx512(p, blocks.size(0));
+    blocked_linear_parallel(p, blocks.size(0));
 #endif
   }
 #endif

@@ -16,7 +16,9 @@ def _kernel_runs(dtype: torch.dtype = torch.float32) -> bool:
     return cpu_ops.available() and bool(torch.ops.baton_cpu.blocked_linear_supported(dtype))
 
 
-needs_kernel = pytest.mark.skipif(not _kernel_runs(), reason="no blocked linear kernel here (no AVX-512 build)")
+needs_kernel = pytest.mark.skipif(
+    not _kernel_runs(), reason="no blocked linear kernel here (neither AVX-512 nor AVX2 with FMA)"
+)
 needs_bf16_kernel = pytest.mark.skipif(
     not _kernel_runs(torch.bfloat16), reason="no bfloat16 blocked linear here (no AVX512-BF16 build)"
 )
