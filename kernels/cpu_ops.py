@@ -73,15 +73,16 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     )
 
 
+def prefill_attention_max_group() -> int:
+    """The most query heads per KV head `paged_prefill_attention` takes: a vector's lanes, 16
+    on AVX-512 CPUs and 8 on AVX2 ones; 0 where it has no kernel."""
+    return int(torch.ops.baton_cpu.prefill_attention_max_group()) if available() else 0
+
+
 def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_prefill_attention` has a kernel for these heads (head sizes 64, 128 and
-    256, up to 16 query heads per KV head, an AVX-512 build)."""
-    return (
-        available()
-        and head_dim in (64, 128, 256)
-        and num_heads // num_kv_heads <= 16
-        and bool(torch.ops.baton_cpu.prefill_attention_supported())
-    )
+    256, up to `prefill_attention_max_group()` query heads per KV head)."""
+    return head_dim in (64, 128, 256) and 0 < num_heads // num_kv_heads <= prefill_attention_max_group()
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float):

@@ -7,23 +7,25 @@
 // 0 .. L - Q + i. The reference gathers each request's context and calls torch's flash
 // attention, which ran at 44-82 GFLOP/s here (an AMD EPYC, 2 threads, float32).
 //
-// A task is one (request, KV head, tile of tokens). Its 16 vector lanes are the tile's rows,
-// (token, query head) pairs of the query heads sharing that KV head (GQA), so every score,
-// the online softmax and the weighted values are lane-wise: for each chunk of 16 keys,
+// A task is one (request, KV head, tile of tokens). Its vector lanes (16 with AVX-512, 8 with
+// AVX2) are the tile's rows, (token, query head) pairs of the query heads sharing that KV head
+// (GQA), so every score, the online softmax and the weighted values are lane-wise: for each
+// chunk of as many keys as lanes,
 //
-//     S[t]   = sum_d qT[d] * k[t][d]                     (a zmm of 16 rows per key t)
+//     S[t]   = sum_d qT[d] * k[t][d]                     (a vector of rows per key t)
 //     P[t]   = exp(S[t] - m_new), 0 where key t is in a row's future
 //     accT[d] = accT[d] * exp(m - m_new) + sum_t P[t] * v[t][d]
 //
 // with k[t][d] and v[t][d] broadcast from the cache row: no transposed copies of K, no
 // reductions across lanes. The queries are transposed once per task (qT [D][16]) and the
-// results once at the end. Keys are read in chunks of 16 positions, each position through
+// results once at the end. Keys are read in chunks of positions, each position through
 // the block table, so any block size works; a tile stops at its last row's position.
 // Tasks go heaviest first (the most keys) from a shared counter, so a long request's last
 // tiles start early and a preempted thread leaves its work to the other.
 //
-// Head sizes 64, 128 and 256 with up to 16 query heads per KV head; ops.py keeps the
-// reference for the rest, and for builds without AVX-512 (`prefill_attention_supported`).
+// Head sizes 64, 128 and 256 with up to a vector's lanes of query heads per KV head; ops.py
+// keeps the reference for the rest, and for builds with neither AVX-512 nor AVX2 and FMA
+// (cpu_ops.prefill_attention_supported).
 // Built on first use by kernels/cpu_ops.py, joining the baton_cpu library.
 
 #include <ATen/ATen.h>
@@ -39,33 +41,76 @@
 
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define BATON_PREFILL_KERNEL 1
 #endif
 
 namespace {
 
+// The few vector operations the kernel uses, on a zmm of 16 lanes (AVX-512) or a ymm of 8
+// (AVX2): the same algorithm with tiles half as tall.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;  // rows per task, and keys per chunk
+using vfloat = __m512;
+using vint = __m512i;
+using vmask = __mmask16;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset(float x) { return _mm512_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm512_load_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_store_ps(p, v); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vint vload_int(const int32_t* p) { return _mm512_load_si512(p); }
+// Lanes whose position is at least `pos`.
+inline vmask at_least(vint positions, int32_t pos) { return _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(pos)); }
+inline vmask no_lanes() { return 0; }
+inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm512_mask_max_ps(a, m, a, b); }
+inline vfloat zero_unless(vmask m, vfloat a) { return _mm512_maskz_mov_ps(m, a); }
 
-// vec_math.h's exp_approx, sixteen lanes at a time (the same polynomial; scalef puts the
-// power of two in).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+// vec_math.h's exp_approx, a vector at a time (the same polynomial; scalef puts the power of
+// two in).
+inline vfloat vexp(vfloat x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const vfloat t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const vfloat n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  vfloat p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(BATON_PREFILL_KERNEL)
+constexpr int kLanes = 8;
+using vfloat = __m256;
+using vint = __m256i;
+using vmask = __m256;  // all ones in the lanes it holds
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_load_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm256_store_ps(p, v); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vint vload_int(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vmask at_least(vint positions, int32_t pos) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(positions, _mm256_set1_epi32(pos - 1)));
+}
+inline vmask no_lanes() { return _mm256_setzero_ps(); }
+inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
+inline vfloat zero_unless(vmask m, vfloat a) { return _mm256_and_ps(m, a); }
 
+// As above; the power of two is built in the exponent bits (n is in [-126, 127] after the
+// clamp).
+inline vfloat vexp(vfloat x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const vfloat t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const vfloat n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  vfloat p = _mm256_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+#endif
+
+#if defined(BATON_PREFILL_KERNEL)
 struct Task {
   int32_t request, kv_head, first_token, num_tokens, num_keys;  // tokens within the request's chunk
 };
@@ -112,10 +157,10 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
     for (int d = 0; d < D; ++d)
       qT[d * kLanes + lane] = lane < rows ? baton_cpu::to_float<scalar_t>(qrow[d]) * p.scale : 0.f;
   }
-  for (int d = 0; d < D; ++d) _mm512_store_ps(accT + d * kLanes, _mm512_setzero_ps());
-  const __m512i positions = _mm512_load_si512(qpos);
-  __m512 run_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 run_sum = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) vstore(accT + d * kLanes, vzero());
+  const vint positions = vload_int(qpos);
+  vfloat run_max = vset(-std::numeric_limits<float>::infinity());
+  vfloat run_sum = vzero();
   static const float zeros[256] = {};
 
   for (int64_t p0 = 0; p0 < task.num_keys; p0 += kLanes) {
@@ -141,38 +186,38 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
         vrow[t] = vbuf + t * D;
       }
     }
-    // scores, one zmm of 16 rows per key
-    __m512 s[kLanes];
-    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+    // scores, one vector of kLanes rows per key
+    vfloat s[kLanes];
+    for (int t = 0; t < kLanes; ++t) s[t] = vzero();
     for (int d = 0; d < D; ++d) {
-      const __m512 qd = _mm512_load_ps(qT + d * kLanes);
-      for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(qd, _mm512_set1_ps(krow[t][d]), s[t]);
+      const vfloat qd = vload(qT + d * kLanes);
+      for (int t = 0; t < kLanes; ++t) s[t] = vfma(qd, vset(krow[t][d]), s[t]);
     }
     // online softmax: key p0 + t is visible to the rows whose position is at least p0 + t
-    __mmask16 visible[kLanes];
-    __m512 chunk_max = run_max;
+    vmask visible[kLanes];
+    vfloat chunk_max = run_max;
     for (int t = 0; t < kLanes; ++t) {
-      visible[t] = t < n ? _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(p0 + t))) : 0;
-      chunk_max = _mm512_mask_max_ps(chunk_max, visible[t], chunk_max, s[t]);
+      visible[t] = t < n ? at_least(positions, static_cast<int32_t>(p0 + t)) : no_lanes();
+      chunk_max = max_where(visible[t], chunk_max, s[t]);
     }
-    const __m512 correction = exp16(_mm512_sub_ps(run_max, chunk_max));
+    const vfloat correction = vexp(run_max - chunk_max);
     run_max = chunk_max;
-    __m512 sum = _mm512_setzero_ps();
+    vfloat sum = vzero();
     for (int t = 0; t < kLanes; ++t) {
-      s[t] = _mm512_maskz_mov_ps(visible[t], exp16(_mm512_sub_ps(s[t], chunk_max)));
-      sum = _mm512_add_ps(sum, s[t]);
+      s[t] = zero_unless(visible[t], vexp(s[t] - chunk_max));
+      sum = sum + s[t];
     }
-    run_sum = _mm512_fmadd_ps(run_sum, correction, sum);
+    run_sum = vfma(run_sum, correction, sum);
     // weighted values
     for (int d = 0; d < D; ++d) {
-      __m512 acc = _mm512_mul_ps(_mm512_load_ps(accT + d * kLanes), correction);
-      for (int t = 0; t < kLanes; ++t) acc = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vrow[t][d]), acc);
-      _mm512_store_ps(accT + d * kLanes, acc);
+      vfloat acc = vload(accT + d * kLanes) * correction;
+      for (int t = 0; t < kLanes; ++t) acc = vfma(s[t], vset(vrow[t][d]), acc);
+      vstore(accT + d * kLanes, acc);
     }
   }
 
   alignas(64) float inv[kLanes];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), run_sum));  // every row sees key 0: sum > 0
+  vstore(inv, vset(1.f) / run_sum);  // every row sees key 0: sum > 0
   raw* out = baton_cpu::raw(static_cast<scalar_t*>(p.out));
   for (int64_t lane = 0; lane < rows; ++lane) {
     const int64_t i = lane / G, g = lane % G;
@@ -201,17 +246,20 @@ void prefill(const Problem& p, int64_t num_reqs) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1));
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    alignas(64) static thread_local float scratch[4 * 256 * kLanes];
+    // On the thread's stack (64 KB at most), not thread_local: GCC reaches a thread_local
+    // through a TLS call inside the inner loops, which spills every accumulator around it.
+    alignas(64) float scratch[4 * 256 * kLanes];
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) run_task<scalar_t, D>(p, tasks[t], scratch);
   });
 }
-#endif  // __AVX512F__
+#endif  // BATON_PREFILL_KERNEL
 
-bool prefill_attention_supported() {
-#if defined(__AVX512F__)
-  return true;
+// The most query heads per KV head the kernel takes (a tile's lanes); 0: no kernel in this build.
+int64_t prefill_attention_max_group() {
+#if defined(BATON_PREFILL_KERNEL)
+  return kLanes;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -234,10 +282,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) == num_reqs,
               "one block table and seq_len per request, query_start_loc one longer");
   at::Tensor out = at::empty(query.sizes(), query.options());
-#if defined(__AVX512F__)
+#if defined(BATON_PREFILL_KERNEL)
   const int64_t group = num_heads / num_kv_heads;
   TORCH_CHECK(group <= kLanes && (D == 64 || D == 128 || D == 256), "head size ", D, " or ", group,
-              " query heads per KV head have no kernel (64/128/256, up to 16)");
+              " query heads per KV head have no kernel (64/128/256, up to ", kLanes, ")");
   const Problem p{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
                   query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr(), num_heads,
                   num_kv_heads, group, key_cache.size(1), block_tables.size(1), query.stride(0), query.stride(1),
@@ -255,7 +303,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   });
   return out;
 #else
-  TORCH_CHECK(false, "this build has no prefill attention kernel (no AVX-512)");
+  TORCH_CHECK(false, "this build has no prefill attention kernel (neither AVX-512 nor AVX2 with FMA)");
 #endif
 }
 
@@ -265,7 +313,7 @@ TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
-  m.def("prefill_attention_supported() -> bool", &prefill_attention_supported);
+  m.def("prefill_attention_max_group() -> int", &prefill_attention_max_group);
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -13,7 +13,8 @@ from baton.kernels.reference import prefill_attention_ref
 from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_ops.prefill_attention_supported(2, 1, 64), reason="no prefill attention kernel here (no AVX-512 build)"
+    not cpu_ops.prefill_attention_supported(2, 1, 64),
+    reason="no prefill attention kernel here (neither AVX-512 nor AVX2 with FMA)",
 )
 
 # Full prefills of 1 and 17 tokens, a chunk after 40 cached tokens, a 2-token prefix-cache
@@ -45,6 +46,8 @@ def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, grou
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
 def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+    if group > cpu_ops.prefill_attention_max_group():
+        pytest.skip(f"{group} query heads per KV head are more than this CPU's vector lanes (the reference runs)")
     run_and_check(paged_context, heads_view, check, REQUESTS, 2, group, head_dim, block_size, dtype)
 
 
@@ -105,3 +108,9 @@ def test_the_kernel_refuses_what_it_cannot_run():
         torch.ops.baton_cpu.paged_prefill_attention(torch.zeros(3, 4, 64).bfloat16(), half, half, *args, 0.1)
     with pytest.raises(RuntimeError, match="one longer"):
         torch.ops.baton_cpu.paged_prefill_attention(q, cache, cache, args[0], args[2], args[2], 0.1)
+    lanes = cpu_ops.prefill_attention_max_group()  # 16 on AVX-512, 8 on AVX2
+    wide = torch.zeros(3, 2 * (lanes + 1), 64)  # one query head per KV head more than a tile's lanes
+    with pytest.raises(RuntimeError, match=f"{lanes + 1} query heads per KV head have no kernel"):
+        torch.ops.baton_cpu.paged_prefill_attention(wide, half, half, *args, 0.1)
+    assert cpu_ops.prefill_attention_supported(2 * lanes, 2, 64)
+    assert not cpu_ops.prefill_attention_supported(2 * (lanes + 1), 2, 64)
