@@ -23,8 +23,11 @@
 // runs ~3x faster than float32 instead of ~15% slower. Widening costs ~2 ms per decode step
 // of the bench model, more than the AVX-512 path at 1-8 rows; hence the two.
 //
-// Blocks of channels are split across threads (at::parallel_for); rows are not. Builds without
-// AVX-512 take the plain [N, K] values (layout 0) and an ATen matmul.
+// AVX2 (CPUs without AVX-512): the same layout and widening, 8 lanes at a time; with 16
+// registers a tile is 1 row x 32 channels, 2 rows x 16 or up to 6 rows x 8.
+//
+// Blocks of channels are split across threads (at::parallel_for); rows are not. Builds with
+// neither take the plain [N, K] values (layout 0) and an ATen matmul.
 //
 // Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
 // baton_cpu library.
@@ -165,7 +168,112 @@ void int8_linear_avx512(const at::Tensor& x, const at::Tensor& packed, const flo
     }
   });
 }
-#endif  // __AVX512F__
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BATON_INT8_AVX2 1
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPadK = 32;
+constexpr int64_t kScratchRows = 24;
+
+// 8 weights (4 channels x a k-pair) as float32.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// kRows rows against kQuarters x 8 channels of a block, starting at `quarter` (a pointer to
+// its first weight in the block's first pair line). Each ymm of weights is 4 channels x (k,
+// k + 1), so a row's accumulators hold pair halves, added pairwise at the end.
+template <typename Block, int kRows, int kQuarters>
+void tile_avx2(const float* x, int64_t kp, const Block* quarter, float* y, int64_t ldy, int64_t n0, int64_t valid,
+               const float* scale, const float* bias) {
+  constexpr int kAcc = 2 * kQuarters;
+  __m256 acc[kRows][kAcc];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kAcc; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < kp / 2; ++p) {
+    const Block* w = quarter + p * 2 * kBlock;
+    __m256 wv[kAcc];
+    for (int j = 0; j < kAcc; ++j) wv[j] = load8(w + 8 * j);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * kp + 2 * p)));
+      for (int j = 0; j < kAcc; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 4
+  for (int q = 0; q < kQuarters; ++q) {
+    const int64_t first = 8 * q, count = std::clamp<int64_t>(valid - first, 0, 8);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes);
+    const __m256 s = _mm256_maskload_ps(scale + n0 + first, mask);
+    const __m256 b = bias ? _mm256_maskload_ps(bias + n0 + first, mask) : _mm256_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) {
+      // hadd: channels (0, 1, 4, 5 | 2, 3, 6, 7); the 64-bit permute puts them in order
+      const __m256 sum = _mm256_hadd_ps(acc[r][2 * q], acc[r][2 * q + 1]);
+      const __m256 ordered = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sum), 0xD8));
+      _mm256_maskstore_ps(y + r * ldy + n0 + first, mask, _mm256_fmadd_ps(ordered, s, b));
+    }
+  }
+}
+
+// Every row against one block: 4 quarters at once for one row, 2 for two, else one quarter
+// and up to 6 rows (12 accumulators of the 16 registers).
+template <typename Block>
+void rows_against_block_avx2(const float* x, int64_t M, int64_t kp, const Block* block, float* y, int64_t N,
+                             int64_t n0, int64_t valid, const float* scale, const float* bias) {
+  if (M == 1) {
+    tile_avx2<Block, 1, 4>(x, kp, block, y, N, n0, valid, scale, bias);
+    return;
+  }
+  if (M == 2) {
+    for (int h = 0; h < 2 && 16 * h < valid; ++h)
+      tile_avx2<Block, 2, 2>(x, kp, block + 32 * h, y, N, n0 + 16 * h, valid - 16 * h, scale, bias);
+    return;
+  }
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * kp;
+    float* ym = y + m * N;
+    for (int q = 0; q < 4 && 8 * q < valid; ++q) {
+      const Block* wq = block + 16 * q;  // a channel's pair is 2 values
+      const int64_t nq = n0 + 8 * q, vq = valid - 8 * q;
+      switch (std::min<int64_t>(6, M - m)) {
+        case 1: tile_avx2<Block, 1, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+        case 2: tile_avx2<Block, 2, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+        case 3: tile_avx2<Block, 3, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+        case 4: tile_avx2<Block, 4, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+        case 5: tile_avx2<Block, 5, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+        default: tile_avx2<Block, 6, 1>(xm, kp, wq, ym, N, nq, vq, scale, bias); break;
+      }
+    }
+  }
+}
+
+// x [M, kp] float32 (zero past K). As the AVX-512 path: blocks split across threads, each
+// block widened to float32 once per call from kScratchRows rows up.
+void int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* sp, const float* bias_ptr, int64_t N,
+                      at::Tensor& y) {
+  const int64_t M = x.size(0), kp = x.size(1), num_blocks = packed.size(0);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const bool widen_once = M >= kScratchRows;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (widen_once && static_cast<int64_t>(scratch.size()) < kp * kBlock) scratch.resize(kp * kBlock);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int8_t* block = wp + nb * kp * kBlock;
+      const int64_t n0 = nb * kBlock, valid = std::min<int64_t>(kBlock, N - n0);
+      if (widen_once) {
+        float* widened = scratch.data();
+        for (int64_t i = 0; i < kp * kBlock; i += 8) _mm256_storeu_ps(widened + i, load8(block + i));
+        rows_against_block_avx2<float>(xp, M, kp, widened, yp, N, n0, valid, sp, bias_ptr);
+      } else {
+        rows_against_block_avx2<int8_t>(xp, M, kp, block, yp, N, n0, valid, sp, bias_ptr);
+      }
+    }
+  });
+}
+#endif  // __AVX512F__, AVX2
 
 #ifdef BATON_INT8_AMX
 constexpr int64_t kAmxRows = 16;
@@ -248,7 +356,7 @@ void int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float*
 // The layout services/model/int8_linear.py packs for this build: 1 the k-pair blocks above,
 // 0 the plain [N, K] values (no AVX-512).
 int64_t int8_linear_layout() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(BATON_INT8_AVX2)
   return 1;
 #else
   return 0;
@@ -269,7 +377,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     at::Tensor y = at::matmul(x, packed.to(at::kFloat).t()) * scale;
     return bias.has_value() ? y + *bias : y;
   }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(BATON_INT8_AVX2)
   const int64_t M = x.size(0), K = x.size(1), kp = 2 * packed.size(1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2, "packed: int8 [N/32, K/2, 32, 2]");
   TORCH_CHECK(kp % kPadK == 0 && kp >= K && kp - K < kPadK, "packed K (", kp, ") is not x's (", K, ") padded to 32");
@@ -287,7 +395,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     return y;
   }
 #endif
+#if defined(__AVX512F__)
   int8_linear_avx512(xp, packed, scale.data_ptr<float>(), bias_ptr, N, y);
+#else
+  int8_linear_avx2(xp, packed, scale.data_ptr<float>(), bias_ptr, N, y);
+#endif
   return y;
 #else
   TORCH_CHECK(false, "this build has no kernel for a packed int8 weight of ", packed.dim(), " dims");

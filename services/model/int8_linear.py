@@ -6,7 +6,8 @@
 Only the weights are int8, a quarter of float32's bytes, which is what a decode step reads;
 activations stay in the model's dtype. On the CPU the multiply is
 kernels/csrc/cpu_int8_linear.cpp (`pack_int8_blocks` lays the weight out for it): for a few
-rows, int8 widened to float32 in registers and float32 FMAs; from `AMX_MIN_ROWS` rows, AMX on
+rows, int8 widened to float32 in registers and float32 FMAs (AVX-512, or AVX2 on CPUs without
+it); from `AMX_MIN_ROWS` rows, AMX on
 a bfloat16 copy of each block, the activations rounded to bfloat16 (W8A16). Elsewhere, or with
 kernel_backend "torch", `int8_linear_ref`, the reference the kernel is tested against.
 

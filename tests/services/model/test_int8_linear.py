@@ -31,8 +31,9 @@ AVX512, AMX = 10**9, 1  # amx_min_rows that take each path
 
 
 def _paths() -> list[int]:
-    """AVX-512 wherever the kernels build; AMX where this CPU and OS have it (the kernel falls
-    back to AVX-512 elsewhere, so the AMX case then checks that)."""
+    """The vector path (AVX-512, or AVX2 without it) wherever the kernels build; AMX where this
+    CPU and OS have it (the kernel falls back to the vector path elsewhere, so the AMX case
+    then checks that)."""
     return [AVX512, AMX]
 
 
