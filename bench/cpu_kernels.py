@@ -1,0 +1,159 @@
+"""Baton's CPU kernels against what they replaced, in one process, on the bench model's shapes.
+
+    python bench/cpu_kernels.py linear [--dtype float32|bfloat16]   # blocked linear vs oneDNN's packed GEMM
+    python bench/cpu_kernels.py decode [--dtype float32|bfloat16]   # the engine's decode step, both ways
+    python bench/cpu_kernels.py prefill                             # prefill attention vs the reference
+
+linear   every linear shape of the bench model (and its LM head) at 1-2,048 rows: the blocked
+         kernel (kernels/csrc/cpu_blocked_linear.cpp) and oneDNN's packed GEMM on the same
+         weights, enough copies of each weight (~150 MB) that they are read from memory as in a
+         decode step; best of 5; time ratio blocked / oneDNN per shape and summed over shapes.
+decode   two engines on the bench model, one with blocked weights, one with oneDNN's packed
+         weights (as before the blocked kernel), alternating; decode step time at batch 1-32
+         (256-token prompts; the time of 48 greedy tokens less that of 1, per token); best of 3.
+prefill  causal prefill attention of one prompt (8 query / 4 KV heads of 64, float32) over the
+         paged cache: the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
+         `prefill_attention_ref` (gather + torch's flash attention), which the CPU ran before.
+
+Each prints the baseline it measured and the ratio. 2 torch threads unless --threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+import torch
+from baton.kernels import cpu_ops
+from baton.kernels.reference import prefill_attention_ref
+from baton.services.model import blocked_linear, embedding, linear
+from baton.services.model.blocked_linear import pack_blocks
+from common import bench_model
+
+# (N, K) of the bench model: qkv, o, gate_up, down, LM head
+SHAPES = ((1024, 512), (512, 512), (3072, 512), (512, 1536), (8192, 512))
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def best_of(fn: Callable[[], None], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_linear(dtype: torch.dtype) -> None:
+    if not torch.ops.baton_cpu.blocked_linear_supported(dtype):
+        raise SystemExit(f"this CPU's build has no blocked linear kernel for {dtype}")
+    totals: dict[int, list[float]] = {}
+    print(f"blocked linear vs oneDNN packed, {dtype}, {torch.get_num_threads()} threads (us per call, best of 5)")
+    for n, k in SHAPES:
+        copies = max(1, int(150e6 / (n * k * dtype.itemsize)))
+        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        blocks = [pack_blocks(w) for w in weights]
+        print(f"  {n} x {k}")
+        for rows in ROWS:
+            x = torch.randn(rows, k).to(dtype)
+
+            def run_onednn(x=x, onednn=onednn) -> None:
+                for w in onednn:
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+            def run_blocked(x=x, blocks=blocks, n=n) -> None:
+                for b in blocks:
+                    torch.ops.baton_cpu.blocked_linear(x, b, None, n)
+
+            run_onednn(), run_blocked()  # warm: oneDNN builds its primitive
+            a, b = best_of(run_onednn, 5) / copies, best_of(run_blocked, 5) / copies
+            totals.setdefault(rows, [0.0, 0.0])
+            totals[rows][0] += a
+            totals[rows][1] += b
+            print(f"    {rows:5} rows: oneDNN {a * 1e6:8.0f}  blocked {b * 1e6:8.0f}  ratio {b / a:.2f}")
+    print(
+        "summed over the shapes, blocked / oneDNN time: "
+        + ", ".join(f"{r}: {b / a:.2f}" for r, (a, b) in totals.items())
+    )
+
+
+def _engine(dtype: str, blocked: bool):
+    from baton.services.engine import LLM
+
+    real = blocked_linear.uses_blocked_kernel
+    choice = real if blocked else (lambda weight, impl: False)
+    linear.uses_blocked_kernel = embedding.uses_blocked_kernel = choice  # read at load (process_weights_after_loading)
+    try:
+        return LLM(model=str(bench_model()), num_kv_blocks=4096, dtype=dtype)
+    finally:
+        linear.uses_blocked_kernel = embedding.uses_blocked_kernel = real
+
+
+def bench_decode(dtype: str, rounds: int) -> None:
+    from baton.services.engine import SamplingParams
+
+    engines = {"oneDNN": _engine(dtype, blocked=False), "blocked": _engine(dtype, blocked=True)}
+    rng = random.Random(0)
+    batches = (1, 2, 4, 8, 16, 32)
+    prompts = {b: [[rng.randrange(10, 8000) for _ in range(256)] for _ in range(b)] for b in batches}
+    steps, times = 48, {}
+    for _ in range(rounds):
+        for batch in batches:
+            for name, llm in engines.items():
+                greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+                one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                llm.generate(prompts[batch], SamplingParams(max_tokens=2))
+                full = best_of(lambda llm=llm, b=batch, g=greedy: llm.generate(prompts[b], g), 1)
+                first = best_of(lambda llm=llm, b=batch, o=one: llm.generate(prompts[b], o), 1)
+                key = (name, batch)
+                times[key] = min(times.get(key, float("inf")), (full - first) / (steps - 1))
+    print(f"decode step, bench model, {dtype}, {torch.get_num_threads()} threads, best of {rounds} alternating rounds")
+    for batch in batches:
+        a, b = times["oneDNN", batch], times["blocked", batch]
+        print(f"  batch {batch:2}: oneDNN packed {a * 1e3:6.2f} ms, blocked {b * 1e3:6.2f} ms: {b / a:.2f}x")
+
+
+def bench_prefill() -> None:
+    if not cpu_ops.prefill_attention_supported(8, 4, 64):
+        raise SystemExit("this CPU's build has no prefill attention kernel")
+    print(f"prefill attention, one prompt, 8/4 heads of 64, float32, {torch.get_num_threads()} threads")
+    gen = torch.Generator().manual_seed(0)
+    for length in (264, 512, 1024, 2048):
+        num_blocks = length // 16 + 1
+        key_cache, value_cache = (torch.randn(num_blocks, 16, 4, 64, generator=gen) for _ in range(2))
+        table = torch.randperm(num_blocks, generator=gen)[None].to(torch.int32)
+        query = torch.randn(length, 8, 64, generator=gen)
+        starts, lens = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+        args = (query, key_cache, value_cache, table, starts, lens, 0.125)
+        kernel = best_of(lambda a=args: cpu_ops.paged_prefill_attention(*a), 10)
+        ref = best_of(lambda a=args: prefill_attention_ref(*a), 10)
+        flops = 8 * length * length * 64 * 2  # causal: half of QK^T and PV
+        print(
+            f"  {length:5} tokens: reference {ref * 1e3:7.2f} ms ({flops / ref / 1e9:4.0f} GFLOP/s), "
+            f"kernel {kernel * 1e3:7.2f} ms ({flops / kernel / 1e9:4.0f} GFLOP/s): {kernel / ref:.2f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=["linear", "decode", "prefill"])
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu_ops.require()
+    if args.which == "linear":
+        bench_linear(DTYPES[args.dtype])
+    elif args.which == "decode":
+        bench_decode(args.dtype, args.rounds)
+    else:
+        bench_prefill()
+
+
+if __name__ == "__main__":
+    main()
