@@ -144,29 +144,9 @@ void rows_against_block(const float* x, int64_t M, int64_t kp, const Block* bloc
   }
 }
 
-// x [M, kp] float32 (zero past K).
-void int8_linear_avx512(const at::Tensor& x, const at::Tensor& packed, const float* sp, const float* bias_ptr,
-                        int64_t N, at::Tensor& y) {
-  const int64_t M = x.size(0), kp = x.size(1), num_blocks = packed.size(0);
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const bool widen_once = M >= kScratchRows;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    // Reused across calls: a fresh (zeroed) vector cost more than the widening it saves.
-    thread_local std::vector<float> scratch;
-    if (widen_once && static_cast<int64_t>(scratch.size()) < kp * kBlock) scratch.resize(kp * kBlock);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int8_t* block = wp + nb * kp * kBlock;
-      const int64_t n0 = nb * kBlock, valid = std::min<int64_t>(kBlock, N - n0);
-      if (widen_once) {
-        for (int64_t i = 0; i < kp * kBlock; i += 16) _mm512_storeu_ps(scratch.data() + i, widen(block + i));
-        rows_against_block<float>(xp, M, kp, scratch.data(), yp, N, n0, valid, sp, bias_ptr);
-      } else {
-        rows_against_block<int8_t>(xp, M, kp, block, yp, N, n0, valid, sp, bias_ptr);
-      }
-    }
-  });
+// A block's kp x 32 int8 weights as float32, in the same order.
+inline void widen_block(const int8_t* block, int64_t kp, float* out) {
+  for (int64_t i = 0; i < kp * kBlock; i += 16) _mm512_storeu_ps(out + i, widen(block + i));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BATON_INT8_AVX2 1
@@ -219,8 +199,8 @@ void tile_avx2(const float* x, int64_t kp, const Block* quarter, float* y, int64
 // Every row against one block: 4 quarters at once for one row, 2 for two, else one quarter
 // and up to 6 rows (12 accumulators of the 16 registers).
 template <typename Block>
-void rows_against_block_avx2(const float* x, int64_t M, int64_t kp, const Block* block, float* y, int64_t N,
-                             int64_t n0, int64_t valid, const float* scale, const float* bias) {
+void rows_against_block(const float* x, int64_t M, int64_t kp, const Block* block, float* y, int64_t N, int64_t n0,
+                        int64_t valid, const float* scale, const float* bias) {
   if (M == 1) {
     tile_avx2<Block, 1, 4>(x, kp, block, y, N, n0, valid, scale, bias);
     return;
@@ -248,32 +228,37 @@ void rows_against_block_avx2(const float* x, int64_t M, int64_t kp, const Block*
   }
 }
 
-// x [M, kp] float32 (zero past K). As the AVX-512 path: blocks split across threads, each
-// block widened to float32 once per call from kScratchRows rows up.
-void int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* sp, const float* bias_ptr, int64_t N,
-                      at::Tensor& y) {
+inline void widen_block(const int8_t* block, int64_t kp, float* out) {
+  for (int64_t i = 0; i < kp * kBlock; i += 8) _mm256_storeu_ps(out + i, load8(block + i));
+}
+#endif  // __AVX512F__, AVX2
+
+#if defined(__AVX512F__) || defined(BATON_INT8_AVX2)
+// x [M, kp] float32 (zero past K).
+void int8_linear_vector(const at::Tensor& x, const at::Tensor& packed, const float* sp, const float* bias_ptr,
+                        int64_t N, at::Tensor& y) {
   const int64_t M = x.size(0), kp = x.size(1), num_blocks = packed.size(0);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const bool widen_once = M >= kScratchRows;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    // Reused across calls: a fresh (zeroed) vector cost more than the widening it saves.
     thread_local std::vector<float> scratch;
     if (widen_once && static_cast<int64_t>(scratch.size()) < kp * kBlock) scratch.resize(kp * kBlock);
     for (int64_t nb = begin; nb < end; ++nb) {
       const int8_t* block = wp + nb * kp * kBlock;
       const int64_t n0 = nb * kBlock, valid = std::min<int64_t>(kBlock, N - n0);
       if (widen_once) {
-        float* widened = scratch.data();
-        for (int64_t i = 0; i < kp * kBlock; i += 8) _mm256_storeu_ps(widened + i, load8(block + i));
-        rows_against_block_avx2<float>(xp, M, kp, widened, yp, N, n0, valid, sp, bias_ptr);
+        widen_block(block, kp, scratch.data());
+        rows_against_block<float>(xp, M, kp, scratch.data(), yp, N, n0, valid, sp, bias_ptr);
       } else {
-        rows_against_block_avx2<int8_t>(xp, M, kp, block, yp, N, n0, valid, sp, bias_ptr);
+        rows_against_block<int8_t>(xp, M, kp, block, yp, N, n0, valid, sp, bias_ptr);
       }
     }
   });
 }
-#endif  // __AVX512F__, AVX2
+#endif
 
 #ifdef BATON_INT8_AMX
 constexpr int64_t kAmxRows = 16;
@@ -395,11 +380,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     return y;
   }
 #endif
-#if defined(__AVX512F__)
-  int8_linear_avx512(xp, packed, scale.data_ptr<float>(), bias_ptr, N, y);
-#else
-  int8_linear_avx2(xp, packed, scale.data_ptr<float>(), bias_ptr, N, y);
-#endif
+  int8_linear_vector(xp, packed, scale.data_ptr<float>(), bias_ptr, N, y);
   return y;
 #else
   TORCH_CHECK(false, "this build has no kernel for a packed int8 weight of ", packed.dim(), " dims");
