@@ -3,6 +3,7 @@
     python bench/cpu_kernels.py linear [--dtype float32|bfloat16]   # blocked linear vs oneDNN's packed GEMM
     python bench/cpu_kernels.py decode [--dtype float32|bfloat16]   # the engine's decode step, both ways
     python bench/cpu_kernels.py prefill                             # prefill attention vs the reference
+    python bench/cpu_kernels.py int8                                # the int8 linear vs the float32 one
 
 linear   every linear shape of the bench model (and its LM head) at 1-2,048 rows: the blocked
          kernel (kernels/csrc/cpu_blocked_linear.cpp) and oneDNN's packed GEMM on the same
@@ -14,6 +15,9 @@ decode   two engines on the bench model, one with blocked weights, one with oneD
 prefill  causal prefill attention of one prompt (8 query / 4 KV heads of 64, float32) over the
          paged cache: the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
          `prefill_attention_ref` (gather + torch's flash attention), which the CPU ran before.
+int8     the bench model's layer shapes at 1-32 rows: the int8 linear (kernels/csrc/
+         cpu_int8_linear.cpp) against the blocked float32 one, weights read from memory as in
+         `linear`; time ratio float32 / int8 summed over the shapes.
 
 Each prints the baseline it measured and the ratio. 2 torch threads unless --threads.
 """
@@ -30,6 +34,7 @@ from baton.kernels import cpu_ops
 from baton.kernels.reference import prefill_attention_ref
 from baton.services.model import blocked_linear, embedding, linear
 from baton.services.model.blocked_linear import pack_blocks
+from baton.services.model.int8_linear import Int8Weight
 from common import bench_model
 
 # (N, K) of the bench model: qkv, o, gate_up, down, LM head
@@ -79,6 +84,36 @@ def bench_linear(dtype: torch.dtype) -> None:
         "summed over the shapes, blocked / oneDNN time: "
         + ", ".join(f"{r}: {b / a:.2f}" for r, (a, b) in totals.items())
     )
+
+
+def bench_int8() -> None:
+    if not torch.ops.baton_cpu.blocked_linear_supported(torch.float32):
+        raise SystemExit("this CPU's build has no blocked float32 linear to compare with")
+    totals: dict[int, list[float]] = {}
+    print(f"int8 linear vs blocked float32, {torch.get_num_threads()} threads (us per call, best of 5)")
+    for n, k in SHAPES[:-1]:  # the layers; the LM head stays as in `linear`
+        copies = max(1, int(150e6 / (n * k * 4)))
+        weights = [torch.randn(n, k) * 0.1 for _ in range(copies)]
+        int8 = [Int8Weight.from_float(w, "cpp") for w in weights]
+        blocks = [pack_blocks(w) for w in weights]
+        for rows in (1, 2, 4, 8, 16, 32):
+            x = torch.randn(rows, k)
+
+            def run_int8(x=x, int8=int8) -> None:
+                for w in int8:
+                    w(x)
+
+            def run_float32(x=x, blocks=blocks, n=n) -> None:
+                for b in blocks:
+                    torch.ops.baton_cpu.blocked_linear(x, b, None, n)
+
+            run_int8(), run_float32()
+            a, b = best_of(run_float32, 5) / copies, best_of(run_int8, 5) / copies
+            totals.setdefault(rows, [0.0, 0.0])
+            totals[rows][0] += a
+            totals[rows][1] += b
+    for rows, (a, b) in totals.items():
+        print(f"  {rows:3} rows: float32 {a * 1e6:6.0f}  int8 {b * 1e6:6.0f}  float32 / int8 {a / b:.2f}")
 
 
 def _engine(dtype: str, blocked: bool):
@@ -140,7 +175,7 @@ def bench_prefill() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["linear", "decode", "prefill"])
+    parser.add_argument("which", choices=["linear", "decode", "prefill", "int8"])
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -151,6 +186,8 @@ def main() -> None:
         bench_linear(DTYPES[args.dtype])
     elif args.which == "decode":
         bench_decode(args.dtype, args.rounds)
+    elif args.which == "int8":
+        bench_int8()
     else:
         bench_prefill()
 
