@@ -67,17 +67,9 @@ inline vmask no_lanes() { return 0; }
 inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm512_mask_max_ps(a, m, a, b); }
 inline vfloat zero_unless(vmask m, vfloat a) { return _mm512_maskz_mov_ps(m, a); }
 
-// vec_math.h's exp_approx, a vector at a time (the same polynomial; scalef puts the power of
-// two in).
-inline vfloat vexp(vfloat x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const vfloat t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const vfloat n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vfloat f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  vfloat p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
-  return _mm512_scalef_ps(p, n);
-}
+inline vfloat vclamp(vfloat x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
+inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat times_pow2(vfloat p, vfloat n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 #elif defined(BATON_PREFILL_KERNEL)
 constexpr int kLanes = 8;
 using vfloat = __m256;
@@ -96,21 +88,27 @@ inline vmask no_lanes() { return _mm256_setzero_ps(); }
 inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
 inline vfloat zero_unless(vmask m, vfloat a) { return _mm256_and_ps(m, a); }
 
-// As above; the power of two is built in the exponent bits (n is in [-126, 127] after the
-// clamp).
-inline vfloat vexp(vfloat x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const vfloat t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const vfloat n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vfloat f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-  vfloat p = _mm256_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
+inline vfloat vclamp(vfloat x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
+inline vfloat vround(vfloat x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n, n integral in [-126, 127] (vexp's clamp): 2^n built in the exponent bits.
+inline vfloat times_pow2(vfloat p, vfloat n) {
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 #endif
 
 #if defined(BATON_PREFILL_KERNEL)
+// vec_math.h's exp_approx, a vector at a time (the same polynomial; clamped so that the
+// power of two stays a normal float).
+inline vfloat vexp(vfloat x) {
+  const vfloat t = vclamp(x, -87.3f, 88.3f) * vset(1.44269504088896341f);
+  const vfloat n = vround(t);
+  const vfloat f = (t - n) * vset(0.693147180559945309f);
+  vfloat p = vset(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
+  return times_pow2(p, n);
+}
+
 struct Task {
   int32_t request, kv_head, first_token, num_tokens, num_keys;  // tokens within the request's chunk
 };
