@@ -39,7 +39,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 ENV_SWITCH = "BATON_CPU_KERNELS"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "error": str
+_state: dict[str, object] = {}  # "ok": bool, "error": str, "prefill_max_group": int
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -76,7 +76,9 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
 def prefill_attention_max_group() -> int:
     """The most query heads per KV head `paged_prefill_attention` takes: a vector's lanes, 16
     on AVX-512 CPUs and 8 on AVX2 ones; 0 where it has no kernel."""
-    return int(torch.ops.baton_cpu.prefill_attention_max_group()) if available() else 0
+    if "prefill_max_group" not in _state:  # asked per layer per step: read once
+        _state["prefill_max_group"] = int(torch.ops.baton_cpu.prefill_attention_max_group()) if available() else 0
+    return int(_state["prefill_max_group"])
 
 
 def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

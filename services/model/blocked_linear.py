@@ -4,8 +4,8 @@
     bfloat16:  blocks[nb][p][c][j] = W[nb * 16 + c][2 p + j]   [N/16, K/2, 16, 2]
 
 (channels past N and a k past an odd K are zero). kernels/csrc/cpu_blocked_linear.cpp
-multiplies by this layout (bfloat16 in k-pairs, as AVX512-BF16 multiplies): each block is one contiguous
-run of 64-byte lines, so a decode step reads the weights as a few long streams (the layout's
+multiplies by this layout (bfloat16 in k-pairs, as AVX512-BF16 multiplies): each block is one
+contiguous run of 64-byte lines, so a decode step reads the weights as a few long streams (the layout's
 reason: oneDNN's packed weights read at ~18 GB/s in a small decode batch, these at ~30 on the
 same 2 cores), and the kernel's threads share the work from a counter, so a thread that
 another process preempts does not hold the others up. The blocks replace the dense weight;
