@@ -255,9 +255,13 @@ class WeightAdmin:
     async def _broadcast(self, role: str, method: str, *args: Any) -> dict[str, Any]:
         """worker id -> its result (or the exception it raised), from every replica of `role`.
         Each replica's method returns (worker id, result), or None where a call names the
-        replicas it is for and this is not one."""
-        response = self.handles[role].broadcast(method, *args)
-        results = await response.results_async(return_exceptions=True)
+        replicas it is for and this is not one. A role with no running replica (Serve raises
+        while one that died is being replaced) is one failure named after the role, so the
+        other roles still answer and an update names why it did not run."""
+        try:
+            results = await self.handles[role].broadcast(method, *args).results_async(return_exceptions=True)
+        except Exception as error:
+            return {f"{role} (not reached)": error}
         outcomes: dict[str, Any] = {}
         for i, result in enumerate(results):
             if isinstance(result, BaseException):

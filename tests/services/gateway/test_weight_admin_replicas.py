@@ -11,6 +11,8 @@ process, reached the way Serve's `DeploymentHandle.broadcast` reaches every repl
   - A trainer's update is checked on every replica before any joins the collective.
   - A replica that comes up while an update runs (so misses it) takes it at its end.
   - A replica that fails (its engine gone) is named, and no replica changes.
+  - A role with no running replica (one died, its replacement not up) is named; the other
+    roles still report their versions, and an update changes none of them.
   - An update every replica takes: one version on all, greedy equal to Hugging Face on the
     new weights; a pause the caller made before it is still there after it.
 """
@@ -37,6 +39,8 @@ from baton.services.worker_calls import GenerateCall
 from baton.services.workers.engine_worker import EngineWorker
 from baton.v1 import inference_pb2 as pb
 from baton.v1 import inference_pb2_grpc as pb_grpc
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import DeploymentUnavailableError
 from testlib.grpc_inprocess import AsServeReports
 from testlib.hf import hf_greedy
 from testlib.models import tiny_model
@@ -257,6 +261,34 @@ async def test_a_replica_that_comes_up_during_an_update_takes_it_at_its_end(work
         assert await engine_state(late) == (False, False)
     finally:
         late.shutdown()
+
+
+class Replaced:
+    """A role whose only replica died and is not yet replaced: Serve's broadcast finds no
+    running replica and raises."""
+
+    def broadcast(self, method: str, *args, **kwargs) -> _NoReplica:
+        return _NoReplica()
+
+
+class _NoReplica:
+    async def results_async(self, return_exceptions: bool = False) -> list:
+        raise DeploymentUnavailableError(DeploymentID(name="decode", app_name="baton"))
+
+
+async def test_a_role_with_no_running_replica_is_named_and_the_other_roles_still_answer(workers):
+    prefill = workers[0]
+    before = await greedy(prefill)
+    admin = WeightAdmin({"prefill": Replicas([prefill]), "decode": Replaced()})
+    versions = await admin.weight_versions()
+    assert versions.keys() == {prefill.worker_id, "decode (not reached)"}, versions
+    assert versions[prefill.worker_id] == before[1]
+    assert versions["decode (not reached)"].startswith("unknown ("), versions
+    result = await admin.update_weights_from_disk(str(tiny_model("llama", seed=2)), "step-2")
+    assert not result.ok and result.updated == [] and list(result.failed) == ["decode (not reached)"], result
+    assert result.failed["decode (not reached)"].startswith("not prepared: ")
+    assert await engine_state(prefill) == (False, False)  # nothing staged, not paused
+    assert await greedy(prefill) == before
 
 
 async def test_a_replica_that_fails_to_prepare_is_named_and_no_replica_changes(workers):

@@ -220,9 +220,12 @@ def test_a_replica_that_starts_after_an_update_loads_it_before_it_serves(deploym
     def replaced() -> dict | None:
         if replica_pids("decode") in ([], [victim]):
             return None
-        answer = httpx.get(f"{deployment.http_address}/weight_version", timeout=30).json()
-        decode = [w for w in answer["replicas"] if w.startswith("decode") and w not in before["replicas"]]
-        return answer if decode and len(answer["replicas"]) == len(ROLES) else None  # the lost one gone
+        response = httpx.get(f"{deployment.http_address}/weight_version", timeout=30)
+        assert response.status_code == 200, response.text  # answers while a role has no replica
+        answer = response.json()
+        new = {w: v for w, v in answer["replicas"].items() if w.startswith("decode") and w not in before["replicas"]}
+        reached = new and not any(v.startswith("unknown (") for v in new.values())
+        return answer if reached and len(answer["replicas"]) == len(ROLES) else None  # the lost one gone
 
     after = wait_until(replaced, 240, 0.5, what="the decode replica's replacement")
     assert after["weight_version"] == "kept-2", after  # the replacement too, not "0"
