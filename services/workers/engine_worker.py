@@ -59,7 +59,9 @@ class EngineWorker:
         bind_to_node_ip()
         self.role = role
         self.served_model_name = served_model_name
-        self.admission = Admission(admission or AdmissionLimits())
+        # A prefill replica hands each request on at its first token: it holds no batch slot after.
+        slots = None if role == "prefill" else engine_config.scheduler.max_num_seqs
+        self.admission = Admission(admission or AdmissionLimits(), max_running=slots)
         self.signals = ReplicaSignals()  # what record_autoscaling_stats reports (autoscaling/signals.py)
         self.agent: WorkerAgent | None = None
         serve_name, serve_address = _serve_identity()

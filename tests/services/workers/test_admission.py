@@ -124,3 +124,50 @@ def test_a_queue_that_does_not_drain_is_judged_by_its_oldest_request():
     admission.started("stuck")
     admission.started("next")
     admission.admit("late", 10, stats(), "w")  # drained: admitted again
+
+
+def test_a_full_batch_that_just_started_sheds_until_a_slot_frees():
+    """Alike requests that start together end together: right after a wave of starts the
+    start rate says "soon", but no slot frees for a whole run time (3x overload with
+    max_num_seqs 8 admitted requests that then waited 3-4 s against a 1 s bound)."""
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_queue_delay_s=1.0, window_s=5.0), clock, max_running=2)
+    for i in range(2):  # a run time to go by: 2.0 s from first output to end
+        admission.admit(f"r{i}", 10, stats(), "w")
+        admission.started(f"r{i}")
+    clock.now += 2.0
+    for i in range(2):
+        admission.left(f"r{i}")
+    for i in range(2):  # a new wave fills both slots
+        admission.admit(f"w{i}", 10, stats(), "w")
+        admission.started(f"w{i}")
+    clock.now += 0.5  # nothing queued, but no slot frees for 1.5 s (the rate alone said 0)
+    with pytest.raises(ServerOverloadedError, match=r"about 1\.5 s \(limit 1 s\)"):
+        admission.admit("q0", 10, stats(), "w")
+    clock.now += 0.9
+    admission.admit("q0", 10, stats(), "w")  # both slots free in 0.6 s: q0 takes one,
+    admission.admit("q1", 10, stats(), "w")  # q1 the other
+    with pytest.raises(ServerOverloadedError, match=r"about 2\.6 s"):  # then one run time more
+        admission.admit("q2", 10, stats(), "w")
+    clock.now += 0.6
+    admission.left("w0")
+    admission.started("q0")
+    # q1 takes the slot w1 frees (due now); the next one waits for q0's, a run time away
+    assert admission.num_queued == 1 and admission.estimated_wait_s() == pytest.approx(2.0)
+
+
+def test_free_slots_admit_at_once_and_a_replica_without_slots_ignores_run_times():
+    clock = Clock()
+    with_slots = Admission(AdmissionLimits(max_queue_delay_s=1.0), clock, max_running=4)
+    without = Admission(AdmissionLimits(max_queue_delay_s=1.0), clock)  # a prefill replica
+    for admission in (with_slots, without):
+        admission.admit("long", 10, stats(), "w")
+        admission.started("long")
+        clock.now += 10.0
+        admission.left("long")  # 10 s run time, where slots count
+        admission.admit("a", 10, stats(), "w")
+        admission.started("a")  # one of 4 slots taken, just now
+        for i in range(3):  # the 3 free slots take them: no wait
+            admission.admit(f"b{i}", 10, stats(), "w")
+    assert with_slots.estimated_wait_s() == pytest.approx(10.0)  # a fifth waits for the first to end
+    assert without.estimated_wait_s() == 0.0
