@@ -23,9 +23,9 @@ The slots count because starts come in waves where requests are alike: a full ba
 started together also ends together, so right after a wave of starts the rate says "soon"
 while no slot frees for a whole run time. With max_num_seqs 8 and 160-token requests at 3x
 capacity, the rate alone admitted requests that then waited 3-4 s against a 1 s bound. The
-slot estimate takes each running request to end at the mean run time (an EOS ends some
-sooner: then the rate, measured over the window, is the better guess, and the longer of
-the two is used).
+slot estimate takes each running request to end at the mean run time of those that ended
+lately (an EOS's early ends included); with mixed lengths that is a rough guess, and since
+the wait is the longest of the estimates, it errs toward shedding.
 
 A request is shed (ServerOverloadedError: 429 / RESOURCE_EXHAUSTED with Retry-After) when
   - `wait` is over `max_queue_delay_s`: admitted requests then start within about that
