@@ -373,10 +373,20 @@ def main() -> None:
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
     )
-    parser.add_argument(
+    ingress = parser.add_mutually_exclusive_group()
+    ingress.add_argument(
         "--direct-ingress",
-        action="store_true",
-        help="serving: Baton's gateway replica serves HTTP itself (server.direct_ingress), no Serve proxy hop",
+        dest="direct_ingress",
+        action="store_const",
+        const=True,
+        help="serving: server.direct_ingress true (the default, auto, runs it too on this set-up)",
+    )
+    ingress.add_argument(
+        "--proxy",
+        dest="direct_ingress",
+        action="store_const",
+        const=False,
+        help="serving: server.direct_ingress false, Serve's proxy relays every chunk",
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)

@@ -73,10 +73,11 @@ METRICS = (
 )
 
 
-def baton_config(path: Path, http_port: int, stream_interval: int = 1, direct_ingress: bool = False) -> Path:
+def baton_config(path: Path, http_port: int, stream_interval: int = 1, direct_ingress: bool | None = None) -> Path:
     config = yaml.safe_load((REPO / "configs" / "local-colocated.yaml").read_text())
     config["server"].update(http_host="127.0.0.1", http_port=http_port, grpc_port=free_port())
-    config["server"]["direct_ingress"] = direct_ingress  # the gateway replica serves the port (issue 26)
+    if direct_ingress is not None:  # None: the default, `auto` (the gateway replica serves the port)
+        config["server"]["direct_ingress"] = direct_ingress
     engine = config["engine"]
     engine["model"].update(served_model_name=MODEL_NAME, max_model_len=LIMITS["max_model_len"])
     engine["cache"].update(num_kv_blocks=16384, enable_prefix_caching=True)
@@ -92,7 +93,7 @@ def baton_config(path: Path, http_port: int, stream_interval: int = 1, direct_in
 
 
 def server_command(
-    server: str, port: int, run_dir: Path, stream_interval: int = 1, direct_ingress: bool = False
+    server: str, port: int, run_dir: Path, stream_interval: int = 1, direct_ingress: bool | None = None
 ) -> tuple[list[str], dict[str, str] | None]:
     model = str(bench_model())
     if server == "baton":
@@ -113,7 +114,7 @@ def server_command(
 class Server:
     """One server process in a session of its own (so every process it starts can be found)."""
 
-    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1, direct_ingress: bool = False) -> None:
+    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1, direct_ingress: bool | None = None) -> None:
         self.name, self.port = name, free_port()
         cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress)
         self.log = run_dir / f"{name}-server.log"
@@ -196,10 +197,10 @@ def load_with_retry(server: Server, load: Load, n: int, seed: int, out: Path) ->
 
 
 def serve_and_load(
-    name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1, direct_ingress: bool = False
+    name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1, direct_ingress: bool | None = None
 ) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
-    server = Server(name, round_dir, stream_interval, direct_ingress and name == "baton")
+    server = Server(name, round_dir, stream_interval, direct_ingress if name == "baton" else None)
     try:
         ready_s = server.wait_ready()
         print(f"  {name} ready in {ready_s:.1f} s on {server.url}", flush=True)

@@ -9,7 +9,8 @@ it starts Ray (a Ray already running cannot take it). Each ingress replica asks 
 for a port in [MIN, MAX); MIN = the configured port and MAX one past it put the gateway replica
 on it, and a second one on the node would find no port: hence one gateway replica at most.
 Serve's proxies still start (without a proxy Serve starts no replica HTTP server either), on
-free ports nobody is told about, on the same hosts.
+free ports nobody is told about, on the same hosts. The default, `auto`, runs it wherever it
+can (a Ray that `baton serve` starts, one gateway replica) and Serve's proxy elsewhere.
 
     HTTP   bound on server.http_host (Serve's HTTPOptions.host); `/-/healthz` and `/-/routes`
            are answered by the replica itself (503 "DRAINING" once it stops).
@@ -25,23 +26,37 @@ free ports nobody is told about, on the same hosts.
 
 from __future__ import annotations
 
+import logging
+
 from ..config import BatonConfig
 from ..gateway.tls import DIRECT_INGRESS_ENV
+from .ports import PortInUse, can_bind
+
+logger = logging.getLogger(__name__)
 
 
-def check_direct_ingress(config: BatonConfig, ray_running: bool) -> None:
-    """ValueError naming the setting when the config cannot run with direct ingress."""
-    if not config.server.direct_ingress:
-        return
-    if ray_running:
-        raise ValueError("server.direct_ingress needs a Ray that baton serve starts (Ray was already running here)")
+def resolve_direct_ingress(config: BatonConfig, ray_running: bool) -> bool:
+    """Whether this `baton serve` runs direct ingress. `true` that cannot run is a ValueError naming
+    the setting; `auto` falls back to Serve's proxy, saying why, where `true` would be refused."""
+    wanted = config.server.direct_ingress
+    if wanted is False:
+        return False
     gateway = config.gateway
     most = gateway.num_replicas if gateway.autoscaling is None else gateway.autoscaling.max_replicas
-    if most > 1:
-        raise ValueError(
-            f"server.direct_ingress: the gateway replica binds server.http_port and server.grpc_port itself, so "
-            f"one gateway replica per node at most (gateway {'autoscaling.max_replicas' if gateway.autoscaling else 'num_replicas'} is {most})"
+    if ray_running:
+        why = "needs a Ray that baton serve starts (Ray was already running here)"
+    elif most > 1:
+        setting = "autoscaling.max_replicas" if gateway.autoscaling else "num_replicas"
+        why = (
+            "the gateway replica binds server.http_port and server.grpc_port itself, so one gateway "
+            f"replica per node at most (gateway {setting} is {most})"
         )
+    else:
+        return True
+    if wanted is True:
+        raise ValueError(f"server.direct_ingress: {why}")
+    logger.info("server.direct_ingress auto: Serve's proxy serves the ports; direct ingress %s", why)
+    return False
 
 
 def direct_ingress_environment(http_port: int, grpc_port: int) -> dict[str, str]:
@@ -57,3 +72,13 @@ def direct_ingress_environment(http_port: int, grpc_port: int) -> dict[str, str]
         # gateway replica would find none.
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }
+
+
+def check_ingress_ports(http_host: str, http_port: int, grpc_host: str, grpc_port: int) -> None:
+    """PortInUse naming the port the gateway replica is about to bind, if something took it since
+    `baton serve` checked (or a LocalDeployment, which checks nothing before). A replica that finds
+    its one port taken keeps Serve retrying for minutes rather than failing, so this runs just
+    before serve.run; a port taken in the seconds after it still stalls the start."""
+    for key, host, port in (("server.http_port", http_host, http_port), ("server.grpc_port", grpc_host, grpc_port)):
+        if not can_bind(host, port):
+            raise PortInUse(port, key)

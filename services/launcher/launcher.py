@@ -25,7 +25,7 @@ from ..gateway.api_keys import ApiKeys
 from ..gateway.tls import GRPC_HOST_ENV, proxy_environment
 from ..ray_env import import_ray
 from . import console_logging
-from .direct_ingress import check_direct_ingress, direct_ingress_environment
+from .direct_ingress import check_ingress_ports, direct_ingress_environment, resolve_direct_ingress
 from .local_redis import LocalRedis, free_port
 from .ports import PortInUse, check_ports_free, port_in_use_from
 from .serve_shutdown import shutdown_serve
@@ -156,7 +156,10 @@ class LocalDeployment:
         server.tls.check_files()
         if server.tls.enabled and ray.is_initialized():  # the proxy hook's settings travel in Ray's environment
             raise ValueError("server.tls needs a Ray that baton serve starts (Ray was already running here)")
-        check_direct_ingress(config, ray.is_initialized())
+        direct = resolve_direct_ingress(config, ray.is_initialized())
+        if direct != config.server.direct_ingress:  # `auto` decided: what follows reads a bool
+            server = server.model_copy(update={"direct_ingress": direct})
+            config = self.config = config.model_copy(update={"server": server})
         http_port, grpc_port = server.http_port or free_port(), server.grpc_port or free_port()
         if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:  # as TLS, it needs Ray's env
             logger.warning("server.grpc_host %s not applied: Ray runs without %s", server.grpc_host, GRPC_HOST_ENV)
@@ -199,6 +202,8 @@ class LocalDeployment:
             ),
             logging_config=None if self.log_level is None else {"log_level": _serve_log_level(self.log_level)},
         )
+        if server.direct_ingress:
+            check_ingress_ports(server.http_host, http_port, server.grpc_host, grpc_port)
         self._deployed = True  # from here a stop drains what may have started
         serve.run(build_app(config, self.grace_period_s), name=config.name, route_prefix="/")
         self.grpc_address = f"{_dialled(server.grpc_host)}:{grpc_port}"
@@ -345,6 +350,8 @@ def serve_forever(
             pass
     except StopRequested:
         pass
+    except PortInUse as e:  # taken since the check, found before the gateway replica binds it (direct ingress)
+        failure = e
     except RuntimeError as e:
         failure = port_in_use_from(e, config.server, metrics_port)  # taken since the check
         if failure is None:

@@ -22,7 +22,7 @@ FLAGS = {"server.http_port": "--http-port", "server.grpc_port": "--grpc-port", "
 _RAY_BIND_ERROR = re.compile(r"Failed to bind to address \S*?:(\d+)")
 
 
-class PortInUse(Exception):
+class PortInUse(RuntimeError):
     def __init__(self, port: int, key: str) -> None:
         super().__init__(port, key)
         self.port = port

@@ -55,7 +55,7 @@ def app(args: ServeArgs) -> "Application":
     from .builder import build_app
 
     config = load_serve_config(args)
-    if config.server.direct_ingress and os.environ.get(DIRECT_INGRESS_ENV) != "1":
+    if config.server.direct_ingress is True and os.environ.get(DIRECT_INGRESS_ENV) != "1":
         # Serve reads the mode from its processes' environment; `baton serve` sets it, a cluster's pods must.
         raise ValueError(f"server.direct_ingress: this Ray cluster's processes run without {DIRECT_INGRESS_ENV}=1")
     return build_app(config, args.grace_period_s)

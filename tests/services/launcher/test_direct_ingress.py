@@ -7,8 +7,10 @@ it: test_direct_ingress_tls.py."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from baton.services.client import BatonClient
-from baton.services.launcher.direct_ingress import check_direct_ingress, direct_ingress_environment
+from baton.services.launcher.direct_ingress import (
+    check_ingress_ports,
+    direct_ingress_environment,
+    resolve_direct_ingress,
+)
+from baton.services.launcher.ports import PortInUse
 from baton.services.serve_app.serve_entry import ServeArgs, app
 from openai import OpenAI
 from testlib.baton_client import collect, greedy_request
@@ -37,20 +44,56 @@ def test_more_than_one_gateway_replica_is_refused_naming_the_setting():
         {"server": {"direct_ingress": True, "http_port": 0, "grpc_port": 0}, "gateway": {"num_replicas": 2}}
     )
     with pytest.raises(ValueError, match=r"server\.direct_ingress.*gateway num_replicas is 2"):
-        check_direct_ingress(config, ray_running=False)
+        resolve_direct_ingress(config, ray_running=False)
     scaled = {"autoscaling": {"min_replicas": 1, "max_replicas": 3}}
     config = tiny_config({"server": {"direct_ingress": True, "http_port": 0, "grpc_port": 0}, "gateway": scaled})
     with pytest.raises(ValueError, match=r"gateway autoscaling\.max_replicas is 3"):
-        check_direct_ingress(config, ray_running=False)
+        resolve_direct_ingress(config, ray_running=False)
 
 
 def test_a_running_ray_is_refused_and_the_option_off_checks_nothing():
     on = tiny_config({"server": {"direct_ingress": True, "http_port": 0, "grpc_port": 0}})
-    with pytest.raises(ValueError, match=r"server\.direct_ingress needs a Ray that baton serve starts"):
-        check_direct_ingress(on, ray_running=True)
-    check_direct_ingress(on, ray_running=False)
-    off = tiny_config({"gateway": {"num_replicas": 2}})
-    check_direct_ingress(off, ray_running=True)
+    with pytest.raises(ValueError, match=r"server\.direct_ingress: needs a Ray that baton serve starts"):
+        resolve_direct_ingress(on, ray_running=True)
+    assert resolve_direct_ingress(on, ray_running=False) is True
+    off = tiny_config({"server": {"direct_ingress": False}, "gateway": {"num_replicas": 2}})
+    assert resolve_direct_ingress(off, ray_running=True) is False
+    assert resolve_direct_ingress(off, ray_running=False) is False
+
+
+def test_auto_is_the_default_and_runs_direct_ingress_only_where_it_can(caplog):
+    """`auto` takes the proxy where `true` would be refused, and says why in the log."""
+    default = tiny_config({"server": {"http_port": 0, "grpc_port": 0}})
+    assert default.server.direct_ingress == "auto"
+    assert resolve_direct_ingress(default, ray_running=False) is True
+    with caplog.at_level(logging.INFO, logger="baton.services.launcher.direct_ingress"):
+        assert resolve_direct_ingress(default, ray_running=True) is False
+        two = tiny_config({"server": {"direct_ingress": "auto"}, "gateway": {"num_replicas": 2}})
+        assert resolve_direct_ingress(two, ray_running=False) is False
+    reasons = [r.getMessage() for r in caplog.records]
+    assert any("Ray was already running here" in r for r in reasons), reasons
+    assert any("gateway num_replicas is 2" in r for r in reasons), reasons
+    with pytest.raises(ValueError, match=r"server\.direct_ingress"):
+        tiny_config({"server": {"direct_ingress": "sometimes"}})
+
+
+def test_a_port_taken_before_the_gateway_replica_binds_it_is_named():
+    """A direct-ingress replica retries a taken port for minutes; the launcher checks first."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    (free,) = free_ports(1)
+    try:
+        with pytest.raises(PortInUse) as raised:
+            check_ingress_ports("127.0.0.1", free, "127.0.0.1", taken)
+        assert (raised.value.port, raised.value.key) == (taken, "server.grpc_port")
+        assert f"port {taken} (server.grpc_port) is already in use" in str(raised.value)
+        with pytest.raises(PortInUse, match=r"\(server\.http_port\)"):
+            check_ingress_ports("127.0.0.1", taken, "127.0.0.1", free)
+    finally:
+        holder.close()
+    check_ingress_ports("127.0.0.1", free, "127.0.0.1", taken)
 
 
 def test_the_environment_pins_both_ports_and_no_draining_minimum():
