@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"baton serve: error: {e}", file=sys.stderr)
         return 2
-    from .launcher.launcher import serve_forever
+    from .launcher.serve_command import serve_forever
 
     return serve_forever(args.config, args.model, args.grace_period, overrides, args.log_level, args.redis_acl)
 

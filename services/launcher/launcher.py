@@ -1,11 +1,8 @@
-"""`baton serve`: a local Ray cluster, a local Redis (unless the config names one), and the
-application, stopped in order on SIGTERM, SIGINT (Ctrl-C) or SIGHUP: stop accepting, let
-in-flight requests finish within the grace period, shut Serve and Ray down, stop the Redis,
-exit 0. A second signal skips the rest of the drain (stop_signals.py). Before anything starts,
-the config is validated and its ports are checked (ports.py): a failure is a message naming the
-key, exit status 2 (config) or 1 (a busy port, in one line), with nothing started.
-
-`LocalDeployment` is the same start-up as a context manager; the tests use it too.
+"""A local deployment: a local Ray cluster, a local Redis (unless the config names one) and the
+application, started in order and stopped in order (drain, Serve, Ray, Redis). `baton serve`
+(serve_command.py) runs one until a stop signal; the tests and benchmarks use it as a context
+manager. The config it starts from is resolved here too: the file, overrides, and the embedded
+tiny model when none is named.
 """
 
 from __future__ import annotations
@@ -14,20 +11,17 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import BatonConfig, load_config, read_config_file
-from ..gateway.api_keys import ApiKeys
 from ..gateway.tls import GRPC_HOST_ENV, proxy_environment
 from ..ray_env import import_ray
-from . import console_logging
 from .direct_ingress import check_ingress_ports, direct_ingress_environment, resolve_direct_ingress
-from .local_redis import LocalRedis, free_port
-from .ports import PortInUse, check_ports_free, port_in_use_from
+from .local_redis import LocalRedis
+from .ports import free_listen_port
 from .serve_shutdown import shutdown_serve
 from .stop_signals import StopRequested, StopSignals, ray_keeps_our_sigterm_handler
 
@@ -160,7 +154,8 @@ class LocalDeployment:
         if direct != config.server.direct_ingress:  # `auto` decided: what follows reads a bool
             server = server.model_copy(update={"direct_ingress": direct})
             config = self.config = config.model_copy(update={"server": server})
-        http_port, grpc_port = server.http_port or free_port(), server.grpc_port or free_port()
+        http_port = server.http_port or free_listen_port(server.http_host)
+        grpc_port = server.grpc_port or free_listen_port(server.grpc_host)
         if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:  # as TLS, it needs Ray's env
             logger.warning("server.grpc_host %s not applied: Ray runs without %s", server.grpc_host, GRPC_HOST_ENV)
         if config.router.redis is None:
@@ -181,14 +176,18 @@ class LocalDeployment:
                     _temp_dir=self.ray_temp_dir(),
                     log_to_driver=False,
                     logging_level=logging.getLogger("ray").level or logging.INFO,
-                    _metrics_export_port=self.metrics_export_port or free_port(),
+                    _metrics_export_port=self.metrics_export_port or free_listen_port(),
                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
                 )
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         self.ray_logs_dir = _ray_logs_dir(ray)
         # Under direct ingress the gateway replica takes the ports; the proxies get free ones.
-        proxy_ports = (free_port(), free_port()) if server.direct_ingress else (http_port, grpc_port)
+        proxy_ports = (
+            (free_listen_port(server.http_host), free_listen_port(server.grpc_host))
+            if server.direct_ingress
+            else (http_port, grpc_port)
+        )
         serve.start(
             proxy_location="HeadOnly",  # one proxy: several nodes on one machine would clash on the ports
             http_options={
@@ -304,102 +303,3 @@ def _ray_logs_dir(ray) -> Path | None:
 
 def _serve_log_level(level: str) -> str:
     return "DEBUG" if level.lower() == "debug" else "INFO"
-
-
-def serve_forever(
-    config_path: str | None,
-    model: str | None,
-    grace_period_s: float | None = None,
-    overrides: dict[str, Any] | None = None,
-    log_level: str = console_logging.DEFAULT_LEVEL,
-    redis_acl: bool = False,
-) -> int:
-    """`baton serve`: 0 after a stop by signal; 2 for a bad config and 1 for a busy port, each
-    one line on stderr with nothing started."""
-    grace_period_s = DEFAULT_GRACE_PERIOD_S if grace_period_s is None else grace_period_s
-    signals = StopSignals()
-    signals.install()  # until ray.init replaces them; LocalDeployment.start installs them again
-    try:
-        config = resolve_config(config_path, model, overrides)
-        auth = ApiKeys.from_config(config.server.auth).describe()  # the gateway reads them again, itself
-        config.server.tls.check_files()
-        metrics_port = config.server.metrics_port or None
-        check_ports_free(config.server, metrics_port)
-    except PortInUse as e:
-        return _fail(f"baton serve: {e}", 1)
-    except ValueError as e:
-        return _fail(f"baton serve: error: {e}", 2)
-    run_dir = baton_home() / "r" / str(os.getpid())
-    log_file = console_logging.configure(log_level, run_dir)
-    deployment = LocalDeployment(
-        config,
-        run_dir,
-        metrics_export_port=metrics_port,
-        grace_period_s=grace_period_s,
-        signals=signals,
-        log_level=log_level,
-        redis_acl=redis_acl,
-    )
-    print(f"starting Baton ({config.mode}, model {config.served_model_name}) ...", flush=True)
-    failure: PortInUse | None = None
-    try:
-        deployment.start()
-        signals.serving()
-        _print_addresses(deployment, log_file, grace_period_s, auth)
-        while not signals.wait(0.5):
-            pass
-    except StopRequested:
-        pass
-    except PortInUse as e:  # taken since the check, found before the gateway replica binds it (direct ingress)
-        failure = e
-    except RuntimeError as e:
-        failure = port_in_use_from(e, config.server, metrics_port)  # taken since the check
-        if failure is None:
-            raise
-    finally:
-        _stop(deployment, signals, grace_period_s)
-    if failure is not None:
-        return _fail(f"baton serve: {failure}", 1)
-    print("stopped", flush=True)
-    return 0
-
-
-def _print_addresses(deployment: LocalDeployment, log_file: Path, grace_period_s: float, auth: str) -> None:
-    config = deployment.config
-    print(f"gRPC  {deployment.grpc_address}   (service baton.v1.Inference, metadata application={config.name})")
-    print(f"HTTP  {deployment.http_address}/v1   (OpenAI-compatible)")
-    if deployment.redis is not None:
-        user = f", ACL user {deployment.redis.username}" if deployment.redis.username else ""
-        print(f"Redis {deployment.redis.url}   (local, pid {deployment.redis.pid}{user}; restarted if it dies)")
-    print(f"Metrics {deployment.metrics_address}   (Prometheus)")
-    print(f"Logs  {log_file}   (Ray and Serve: {deployment.ray_logs_dir})")
-    print(f"Auth  {auth}")
-    print(f"TLS   {config.server.tls.describe()}")
-    if config.server.direct_ingress:
-        print("Ingress direct: the gateway replica serves both ports (no Serve proxy in the path)")
-    print(
-        f"Ctrl-C or SIGTERM stops (in-flight requests get {grace_period_s:g} s; a second signal: at once).",
-        flush=True,
-    )
-
-
-def _stop(deployment: LocalDeployment, signals: StopSignals, grace_period_s: float) -> None:
-    try:
-        signals.draining()
-        if not signals.is_forced:
-            drain_s = grace_period_s if signals.is_requested else None
-            if signals.is_requested:
-                print(f"{signals.signal_name}: stopping{' (draining)' if drain_s else ''} ...", flush=True)
-            deployment.stop_serving(drain_s)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signals.stopping()
-        if signals.is_forced:
-            print("second signal: stopping at once (in-flight requests are cut)", flush=True)
-        deployment.stop_processes()
-
-
-def _fail(message: str, code: int) -> int:
-    print(message, file=sys.stderr, flush=True)
-    return code

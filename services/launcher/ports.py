@@ -12,14 +12,22 @@ listening socket still fails the bind.
 from __future__ import annotations
 
 import errno
+import random
 import re
 import socket
+from pathlib import Path
 
 from ..config import ServerConfig
 
 # config key -> the `baton serve` flag that sets it
 FLAGS = {"server.http_port": "--http-port", "server.grpc_port": "--grpc-port", "server.metrics_port": "--metrics-port"}
 _RAY_BIND_ERROR = re.compile(r"Failed to bind to address \S*?:(\d+)")
+# Ray's workers listen on 10002-19999 (its min/max_worker_port); its other servers, and every
+# outgoing connection's local end, take ports from the kernel's ephemeral range. A port picked
+# in either before ray.init can be taken by the time a replica binds it, seconds later.
+_RAY_WORKER_PORTS_END = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK_TRIES = 100
 
 
 class PortInUse(RuntimeError):
@@ -55,6 +63,28 @@ def check_ports_free(server: ServerConfig, metrics_port: int | None) -> None:
         seen[port] = key
         if not can_bind(host, port):
             raise PortInUse(port, key)
+
+
+def free_listen_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a server started later: between Ray's worker ports and the
+    kernel's ephemeral range, so Ray starting up in between does not take it (the kernel's pick
+    where that gap is empty or full)."""
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral > _RAY_WORKER_PORTS_END:
+        for _ in range(_PICK_TRIES):
+            port = random.randrange(_RAY_WORKER_PORTS_END, first_ephemeral)
+            if can_bind(host, port):
+                return port
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range's start
+        return 49152
 
 
 def can_bind(host: str, port: int) -> bool:

@@ -1,7 +1,8 @@
 """Processes of the Ray cluster this test process started, found by their titles in /proc.
 
-Ray names a replica's process `ray::ServeReplica:<app>:<deployment>`; only processes that
-descend from this one count, so another cluster on the machine is never touched."""
+Ray names a replica's process `ray::ServeReplica:<app>:<deployment>`, with `.<method>` appended
+while a call runs (an async replica's overlapping calls can leave it so between calls); only
+processes that descend from this one count, so another cluster on the machine is never touched."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from pathlib import Path
 
 def replica_pids(role: str, app: str = "baton") -> list[int]:
     title = f"ray::ServeReplica:{app}:{role}"
-    return sorted(pid for pid, cmdline in _processes() if cmdline.split(" ", 1)[0] == title and _is_ours(pid))
+    return sorted(pid for pid, cmdline in _processes() if _is_titled(cmdline, title) and _is_ours(pid))
+
+
+def _is_titled(cmdline: str, title: str) -> bool:
+    first = cmdline.split(" ", 1)[0]
+    return first == title or first.startswith(title + ".")
 
 
 def _processes():

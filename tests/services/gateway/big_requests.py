@@ -5,9 +5,10 @@ JSON line: {"status": HTTP status or gRPC code name, "message": the error's text
     python big_requests.py KIND ADDRESS COUNT     KIND: http, http-chunked, grpc-tokenize, grpc-generate,
                                                   or http-proxy, grpc-proxy
 
-The `-proxy` kinds send the same 10 MB to an endpoint Serve's proxy answers itself (HTTP
-/-/healthz, gRPC RayServeAPIService/Healthz), without Baton: what 10 MB costs this machine
-before Baton sees a byte, the control the measurements are compared with.
+The `-proxy` kinds send the same 10 MB to a health check Ray Serve answers itself (HTTP
+/-/healthz, gRPC RayServeAPIService/Healthz: Serve's proxy, or under direct ingress the gateway
+replica's server, before Baton's handlers): what 10 MB costs this machine outside Baton's code,
+the control the measurements are compared with.
 """
 
 from __future__ import annotations

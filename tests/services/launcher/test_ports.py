@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from baton.services.config import ServerConfig
-from baton.services.launcher.ports import PortInUse, can_bind, check_ports_free, port_in_use_from
+from baton.services.launcher import ports
+from baton.services.launcher.ports import PortInUse, can_bind, check_ports_free, free_listen_port, port_in_use_from
 
 
 @pytest.fixture
@@ -25,6 +27,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_picked_port_lies_outside_the_ranges_ray_takes_ports_from_and_is_free():
+    """Ray's workers listen on 10002-19999 and outgoing connections take the kernel's ephemeral
+    range: a port picked there before ray.init was taken by the time the gateway replica bound it."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picked = {free_listen_port() for _ in range(50)}
+    assert all(20000 <= port < first_ephemeral for port in picked), sorted(picked)
+    assert len(picked) > 1  # random, not a fixed port that two deployments would share
+    assert all(can_bind("127.0.0.1", port) for port in picked)
+
+
+def test_a_held_port_is_not_picked(monkeypatch, listening):
+    monkeypatch.setattr(ports.random, "randrange", lambda start, stop: listening)
+    monkeypatch.setattr(ports, "_RAY_WORKER_PORTS_END", listening)  # the gap: the held port alone
+    monkeypatch.setattr(ports, "_first_ephemeral_port", lambda: listening + 1)
+    port = free_listen_port()
+    assert port != listening and can_bind("127.0.0.1", port)  # the kernel's pick after the tries
 
 
 def test_a_listened_port_cannot_be_bound_on_its_address_or_every_interface(listening):

@@ -39,6 +39,11 @@ def placed_on_holder(router: PrefixRouter, tokens: list[int], holder_id: str) ->
     return placement.reason is PlacementReason.PREFIX and placement.worker_ids[0] == holder_id
 
 
+def resynced(metrics: dict) -> dict | None:
+    """The agent's metrics once it has registered again and sent its snapshot since."""
+    return metrics if metrics["registrations"] >= 2 and metrics["snapshots_sent"] >= 2 else None
+
+
 def in_sync(index, agent, engine) -> bool:
     return index.cached_blocks(agent.info.worker_id) == engine.cached_block_hashes()
 
@@ -79,9 +84,9 @@ def test_the_supervised_redis_killed_comes_back_and_prefix_placement_resumes_wit
     print(f"Redis restarted {restarted_s * 1000:.0f} ms after the kill; prefix placement back after {rebuilt_s:.2f} s")
     assert rebuilt_s < REBUILD_LIMIT_S
     assert in_sync(index, agent_a, engine_a) and in_sync(index, agent_b, engine_b)  # rebuilt exactly
-    for agent in (agent_a, agent_b):
-        metrics = agent.metrics()
-        assert metrics["registrations"] == 2 and metrics["snapshots_sent"] >= 2, metrics
+    for agent in (agent_a, agent_b):  # each counts its snapshot just after Redis has it: wait for that
+        metrics = wait_until(lambda a=agent: resynced(a.metrics()), timeout_s=5, what=f"{agent.info.name}'s counters")
+        assert metrics["registrations"] == 2, metrics
     # A real placement now: recorded in the restarted Redis, and the next one sees it.
     assert router.route_prefill("after", prompt(PREFIX_A, 2)).worker_ids[0] == a_id
     metrics = router.metrics()
