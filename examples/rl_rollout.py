@@ -72,6 +72,19 @@ def start_server(model_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, str]
         time.sleep(1)
 
 
+def engine_ranks(url: str, timeout_s: float = 120) -> int:
+    """The engine ranks a trainer's group takes, once every replica answers: the HTTP port (the
+    gateway replica's, under direct ingress) answers while engine replicas may still start."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = httpx.get(f"{url}/weight_update_ranks", timeout=30)
+        if answer.status_code == 200:
+            return answer.json()["num_engine_ranks"]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"/weight_update_ranks: {answer.status_code} {answer.text}")
+        time.sleep(1)
+
+
 def post(url: str, path: str, body: dict) -> dict:
     answer = httpx.post(f"{url}{path}", json=body, timeout=300)
     if answer.status_code != 200:
@@ -131,7 +144,7 @@ def main() -> int:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         half_vocab = model.config.vocab_size // 2
 
-        num_ranks = httpx.get(f"{url}/weight_update_ranks", timeout=30).json()["num_engine_ranks"]
+        num_ranks = engine_ranks(url)
         port, world_size = free_port(), num_ranks + 1
         init = {"master_address": "127.0.0.1", "master_port": port, "world_size": world_size, "group_name": "rl"}
         joining = threading.Thread(target=post, args=(url, "/init_weights_update_group", init))
