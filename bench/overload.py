@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from baton.services.launcher.local_redis import free_port
+from baton.services.launcher.ports import free_port
 from common import REPO, bench_model
 
 BATON = Path(sys.executable).parent / "baton"

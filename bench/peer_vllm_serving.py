@@ -29,7 +29,7 @@ from statistics import mean
 from typing import Any
 
 import yaml
-from baton.services.launcher.local_redis import free_port
+from baton.services.launcher.ports import free_port
 from common import REPO, bench_model
 from peer_vllm import OUT, QUIET_CORES, VPY, WORKER, kill_session, load1, vllm_env
 from peer_vllm_worker import busy_jiffies, session_cpu

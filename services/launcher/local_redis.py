@@ -31,7 +31,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -42,6 +41,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from .ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +296,3 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -75,8 +75,13 @@ def free_listen_port(host: str = "127.0.0.1") -> int:
             port = random.randrange(_RAY_WORKER_PORTS_END, first_ephemeral)
             if can_bind(host, port):
                 return port
+    return free_port()
+
+
+def free_port() -> int:
+    """The kernel's pick of a free loopback port, for a server that binds it at once."""
     with socket.socket() as sock:
-        sock.bind(("", 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
