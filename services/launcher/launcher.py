@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import BatonConfig, load_config, read_config_file
 from ..gateway.tls import GRPC_HOST_ENV, proxy_environment
-from ..ray_env import import_ray
+from ..ray_env import SERVE_REPLICA_ENV, import_ray
 from .direct_ingress import check_ingress_ports, direct_ingress_environment, resolve_direct_ingress
 from .local_redis import LocalRedis
 from .ports import free_listen_port
@@ -213,9 +213,11 @@ class LocalDeployment:
         return self
 
     def _environment(self, http_port: int, grpc_port: int) -> dict[str, str]:
-        """What Ray's processes need from us: the proxy hook's, the local Redis's, direct ingress's."""
+        """What Ray's processes need from us: the replicas' (unless set here already), the proxy
+        hook's, the local Redis's, direct ingress's."""
         server = self.config.server
-        env = proxy_environment(server.tls, server.grpc_host)
+        env = {name: value for name, value in SERVE_REPLICA_ENV.items() if name not in os.environ}
+        env |= proxy_environment(server.tls, server.grpc_host)
         if server.direct_ingress:
             env |= direct_ingress_environment(http_port, grpc_port)
         return env | (self.redis.environment() if self.redis is not None else {})

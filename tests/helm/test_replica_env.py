@@ -1,0 +1,27 @@
+"""The Serve settings every replica process reads at import (services/ray_env.py) reach every
+Ray container, and a value the operator sets in `extraEnv` wins."""
+
+from __future__ import annotations
+
+from baton.services.ray_env import SERVE_REPLICA_ENV
+from testlib.helm_chart import HelmChart, head_group, ray_container, values_file, worker_groups
+
+
+def _effective_env(container: dict) -> dict[str, str]:
+    """What the container's process sees: Kubernetes applies the list in order, a later entry
+    of the same name replacing an earlier one."""
+    return {entry["name"]: entry.get("value") for entry in container["env"]}
+
+
+def test_every_ray_container_runs_replica_code_on_its_own_loop(rendered):
+    objects = rendered("minimal")
+    for group in [head_group(objects), *worker_groups(objects).values()]:
+        env = _effective_env(ray_container(group))
+        assert SERVE_REPLICA_ENV.items() <= env.items(), env
+
+
+def test_extra_env_overrides_it(chart: HelmChart):
+    (name,) = SERVE_REPLICA_ENV
+    objects = chart.render([values_file("minimal")], {"extraEnv": [{"name": name, "value": "1"}]})
+    for group in [head_group(objects), *worker_groups(objects).values()]:
+        assert _effective_env(ray_container(group))[name] == "1"
