@@ -21,7 +21,8 @@ def test_every_ray_container_runs_replica_code_on_its_own_loop(rendered):
 
 
 def test_extra_env_overrides_it(chart: HelmChart):
-    (name,) = SERVE_REPLICA_ENV
-    objects = chart.render([values_file("minimal")], {"extraEnv": [{"name": name, "value": "1"}]})
+    extra = [{"name": name, "value": "operator's"} for name in SERVE_REPLICA_ENV]
+    objects = chart.render([values_file("minimal")], {"extraEnv": extra})
     for group in [head_group(objects), *worker_groups(objects).values()]:
-        assert _effective_env(ray_container(group))[name] == "1"
+        env = _effective_env(ray_container(group))
+        assert all(env[name] == "operator's" for name in SERVE_REPLICA_ENV), env

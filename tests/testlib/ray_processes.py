@@ -15,6 +15,13 @@ def replica_pids(role: str, app: str = "baton") -> list[int]:
     return sorted(pid for pid, cmdline in _processes() if _is_titled(cmdline, title) and _is_ours(pid))
 
 
+def environment(pid: int) -> dict[str, str]:
+    """The environment a process started with."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        items = environ.read().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
 def _is_titled(cmdline: str, title: str) -> bool:
     first = cmdline.split(" ", 1)[0]
     return first == title or first.startswith(title + ".")

@@ -14,7 +14,7 @@ from baton.services.gateway.request_limits import RequestLimits
 from baton.services.ray_env import SERVE_REPLICA_ENV
 from testlib.baton_client import worker_stats
 from testlib.models import tiny_model
-from testlib.ray_processes import replica_pids
+from testlib.ray_processes import environment, replica_pids
 
 from .beside import check_no_one_held_up, counter_value, wait_for_counter
 
@@ -218,6 +218,5 @@ def test_replicas_run_baton_code_on_their_own_event_loop(baton_app):
     pids = replica_pids("gateway") + replica_pids("colocated")
     assert len(pids) == 2, pids
     for pid in pids:
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            env = dict(item.decode().split("=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+        env = environment(pid)
         assert SERVE_REPLICA_ENV.items() <= env.items(), (pid, {k: v for k, v in env.items() if "SERVE" in k})
