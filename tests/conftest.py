@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 import copy
 import functools
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -54,3 +55,26 @@ def rendered(chart: HelmChart) -> Callable[[str], list[Manifest]]:
     copy each call, so a test may change them)."""
     render = functools.cache(lambda name: chart.render([values_file(name)]))
     return lambda name: copy.deepcopy(render(name))
+
+
+# The suite starts and stops Ray in this process many times (tests/testlib/ray_cluster.py,
+# the launcher's and gateway's tests). Ray's native threads (the core worker's io threads,
+# Serve's router loop) outlive ray.shutdown(), and tearing the interpreter down with them
+# alive can crash the process after every test has passed (ray-project/ray#31145 is the same
+# class of crash), which turns a green run red. Once pytest has reported, the outcome is
+# decided: the process ends with pytest's exit status, without finalizing the interpreter.
+_exit_status: int | None = None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _exit_status is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
