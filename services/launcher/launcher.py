@@ -154,8 +154,8 @@ class LocalDeployment:
         if direct != config.server.direct_ingress:  # `auto` decided: what follows reads a bool
             server = server.model_copy(update={"direct_ingress": direct})
             config = self.config = config.model_copy(update={"server": server})
-        http_port = server.http_port or free_listen_port(server.http_host)
-        grpc_port = server.grpc_port or free_listen_port(server.grpc_host)
+        http_port = server.http_port or free_listen_port(server.http_host, avoid={server.grpc_port})
+        grpc_port = server.grpc_port or free_listen_port(server.grpc_host, avoid={http_port})
         if ray.is_initialized() and os.environ.get(GRPC_HOST_ENV) != server.grpc_host:  # as TLS, it needs Ray's env
             logger.warning("server.grpc_host %s not applied: Ray runs without %s", server.grpc_host, GRPC_HOST_ENV)
         if config.router.redis is None:
@@ -176,18 +176,19 @@ class LocalDeployment:
                     _temp_dir=self.ray_temp_dir(),
                     log_to_driver=False,
                     logging_level=logging.getLogger("ray").level or logging.INFO,
-                    _metrics_export_port=self.metrics_export_port or free_listen_port(),
+                    _metrics_export_port=self.metrics_export_port or free_listen_port(avoid={http_port, grpc_port}),
                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
                 )
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         self.ray_logs_dir = _ray_logs_dir(ray)
         # Under direct ingress the gateway replica takes the ports; the proxies get free ones.
-        proxy_ports = (
-            (free_listen_port(server.http_host), free_listen_port(server.grpc_host))
-            if server.direct_ingress
-            else (http_port, grpc_port)
-        )
+        if server.direct_ingress:
+            taken = {http_port, grpc_port}
+            proxy_http_port = free_listen_port(server.http_host, avoid=taken)
+            proxy_ports = (proxy_http_port, free_listen_port(server.grpc_host, avoid=taken | {proxy_http_port}))
+        else:
+            proxy_ports = (http_port, grpc_port)
         serve.start(
             proxy_location="HeadOnly",  # one proxy: several nodes on one machine would clash on the ports
             http_options={

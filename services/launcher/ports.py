@@ -15,6 +15,7 @@ import errno
 import random
 import re
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 from ..config import ServerConfig
@@ -65,17 +66,23 @@ def check_ports_free(server: ServerConfig, metrics_port: int | None) -> None:
             raise PortInUse(port, key)
 
 
-def free_listen_port(host: str = "127.0.0.1") -> int:
+def free_listen_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A port free on `host` now, for a server started later: between Ray's worker ports and the
     kernel's ephemeral range, so Ray starting up in between does not take it (the kernel's pick
-    where that gap is empty or full)."""
+    where that gap is empty or full). Nothing binds a picked port until Ray is up, so the ports
+    already picked for the other servers are passed as `avoid`: the same random port twice
+    would put HTTP and gRPC on one port, and the second server would never start."""
     first_ephemeral = _first_ephemeral_port()
     if first_ephemeral > _RAY_WORKER_PORTS_END:
         for _ in range(_PICK_TRIES):
             port = random.randrange(_RAY_WORKER_PORTS_END, first_ephemeral)
-            if can_bind(host, port):
+            if port not in avoid and can_bind(host, port):
                 return port
-    return free_port()
+    for _ in range(_PICK_TRIES):
+        port = free_port()
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free port on {host} outside {sorted(avoid)}")
 
 
 def free_port() -> int:

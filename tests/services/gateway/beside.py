@@ -24,6 +24,7 @@ GATEWAY_MARGIN_S = 0.05
 SMALL_REQUEST_MAX_ADDED_S = 0.3
 BIG_REQUESTS = Path(__file__).with_name("big_requests.py")
 BASELINE_RUNS = 15  # of the small request alone, before the big ones and again after
+ATTEMPTS = 3
 
 
 @dataclass
@@ -82,17 +83,25 @@ def small_beside_big(small: Callable[[], object], kind: str, address: str, num_b
 
 def check_no_one_held_up(small: Callable[[], object], kind: str, control: str, address: str, what: str) -> Beside:
     """`small` beside 10 MB requests of `kind` and beside the Baton-free `control`: Baton's
-    part of the slowdown stays within GATEWAY_MARGIN_S. Returns the `kind` measurement."""
-    measured = small_beside_big(small, kind, address)
-    baseline = small_beside_big(small, control, address)
-    lines = (
-        measured.report(what),
-        baseline.report(f"{what}, control: the same 10 MB to the ingress's own health check, past Baton"),
-    )
-    assert len(measured.during_s) >= 5, lines
-    assert measured.added_p50_s < max(baseline.added_p50_s, 0.0) + GATEWAY_MARGIN_S, lines
-    assert measured.added_p50_s < SMALL_REQUEST_MAX_ADDED_S, lines
-    return measured
+    part of the slowdown stays within GATEWAY_MARGIN_S in one of ATTEMPTS measurements (a stall
+    of the gateway shows in every one; a busy moment of a shared 2-core machine, with the small
+    request alone at 3x its usual time, in one). Returns the `kind` measurement."""
+    failures = []
+    for _ in range(ATTEMPTS):
+        measured = small_beside_big(small, kind, address)
+        baseline = small_beside_big(small, control, address)
+        lines = (
+            measured.report(what),
+            baseline.report(f"{what}, control: the same 10 MB to the ingress's own health check, past Baton"),
+        )
+        assert len(measured.during_s) >= 5, lines
+        if (
+            measured.added_p50_s < max(baseline.added_p50_s, 0.0) + GATEWAY_MARGIN_S
+            and measured.added_p50_s < SMALL_REQUEST_MAX_ADDED_S
+        ):
+            return measured
+        failures.append(lines)
+    raise AssertionError(f"small requests were held up in each of {ATTEMPTS} measurements", failures)
 
 
 def _paths() -> str:

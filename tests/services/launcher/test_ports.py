@@ -47,6 +47,25 @@ def test_a_held_port_is_not_picked(monkeypatch, listening):
     assert port != listening and can_bind("127.0.0.1", port)  # the kernel's pick after the tries
 
 
+def test_a_port_picked_for_another_server_is_not_picked_again(monkeypatch):
+    """HTTP and gRPC ports are both picked before either is bound: the same random port twice put
+    the gateway's gRPC server on its HTTP port, and the deployment never started."""
+    picks = iter([25000, 25000, 25001])
+    monkeypatch.setattr(ports.random, "randrange", lambda start, stop: next(picks))
+    monkeypatch.setattr(ports, "can_bind", lambda host, port: True)
+    monkeypatch.setattr(ports, "_first_ephemeral_port", lambda: 32768)
+    http_port = free_listen_port()
+    assert (http_port, free_listen_port(avoid={http_port})) == (25000, 25001)
+
+
+def test_the_kernels_pick_also_avoids_the_ports_picked_before(monkeypatch):
+    monkeypatch.setattr(ports, "_first_ephemeral_port", lambda: ports._RAY_WORKER_PORTS_END)  # no gap
+    kernel = iter([41000, 41000, 41001])
+    monkeypatch.setattr(ports, "free_port", lambda: next(kernel))
+    assert free_listen_port() == 41000
+    assert free_listen_port(avoid={41000}) == 41001
+
+
 def test_a_listened_port_cannot_be_bound_on_its_address_or_every_interface(listening):
     assert not can_bind("127.0.0.1", listening)
     assert not can_bind("::", listening)  # the gRPC proxy's dual-stack bind
