@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import BatonConfig, load_config, read_config_file
 from ..gateway.tls import GRPC_HOST_ENV, proxy_environment
-from ..ray_env import SERVE_REPLICA_ENV, import_ray
+from ..ray_env import SERVE_ENV, import_ray
 from .direct_ingress import check_ingress_ports, direct_ingress_environment, resolve_direct_ingress
 from .local_redis import LocalRedis
 from .ports import free_listen_port
@@ -217,7 +217,7 @@ class LocalDeployment:
         """What Ray's processes need from us: the replicas' (unless set here already), the proxy
         hook's, the local Redis's, direct ingress's."""
         server = self.config.server
-        env = {name: value for name, value in SERVE_REPLICA_ENV.items() if name not in os.environ}
+        env = {name: value for name, value in SERVE_ENV.items() if name not in os.environ}
         env |= proxy_environment(server.tls, server.grpc_host)
         if server.direct_ingress:
             env |= direct_ingress_environment(http_port, grpc_port)

@@ -11,7 +11,11 @@ from pathlib import Path
 
 
 def replica_pids(role: str, app: str = "baton") -> list[int]:
-    title = f"ray::ServeReplica:{app}:{role}"
+    return titled_pids(f"ray::ServeReplica:{app}:{role}")
+
+
+def titled_pids(title: str) -> list[int]:
+    """Our processes whose title is `title` (`ray::ServeController`, `ray::ProxyActor`, ...)."""
     return sorted(pid for pid, cmdline in _processes() if _is_titled(cmdline, title) and _is_ours(pid))
 
 

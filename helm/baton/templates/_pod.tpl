@@ -57,8 +57,10 @@ spec:
         - {name: metrics, containerPort: 8080}
         - {name: serve, containerPort: {{ $cfg.server.http_port }}}
         - {name: grpc, containerPort: {{ $cfg.server.grpc_port }}}
-      {{- /* Baton's code on each replica's own event loop (services/ray_env.py SERVE_REPLICA_ENV); extraEnv, later, wins */ -}}
-      {{- $env := prepend $root.Values.extraEnv (dict "name" "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" "value" "0") }}
+      {{- /* What Serve's processes read at import (services/ray_env.py SERVE_ENV); extraEnv, later, wins */ -}}
+      {{- $env := prepend $root.Values.extraEnv (dict "name" "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" "value" "1000") }}
+      {{- $env = prepend $env (dict "name" "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" "value" "0.5") }}
+      {{- $env = prepend $env (dict "name" "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" "value" "0") }}
       {{- $env = prepend $env (dict "name" "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" "value" (toString $root.Values.shutdown.gracePeriodSeconds)) }}
       {{- if include "baton.redis.hasPassword" $root }}
       {{- $secret := dict "name" (include "baton.redis.secretName" $root) "key" (include "baton.redis.secretKey" $root) }}

@@ -11,10 +11,10 @@ import pytest
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.api.tokenizer import load_tokenizer
 from baton.services.gateway.request_limits import RequestLimits
-from baton.services.ray_env import SERVE_REPLICA_ENV
+from baton.services.ray_env import SERVE_ENV
 from testlib.baton_client import worker_stats
 from testlib.models import tiny_model
-from testlib.ray_processes import environment, replica_pids
+from testlib.ray_processes import environment, replica_pids, titled_pids
 
 from .beside import check_no_one_held_up, counter_value, wait_for_counter
 
@@ -213,10 +213,10 @@ def test_a_10mb_body_is_413_and_holds_no_one_up(baton_app, kind):
         assert f"limit of {limit} bytes (server.limits.max_request_bytes)" in outcome["message"]
 
 
-def test_replicas_run_baton_code_on_their_own_event_loop(baton_app):
-    """The launcher starts Ray with SERVE_REPLICA_ENV, so each replica process reads it."""
-    pids = replica_pids("gateway") + replica_pids("colocated")
-    assert len(pids) == 2, pids
+def test_serve_processes_start_with_serve_env(baton_app):
+    """The launcher starts Ray with SERVE_ENV, so each replica and the controller read it."""
+    pids = replica_pids("gateway") + replica_pids("colocated") + titled_pids("ray::ServeController")
+    assert len(pids) == 3, pids
     for pid in pids:
         env = environment(pid)
-        assert SERVE_REPLICA_ENV.items() <= env.items(), (pid, {k: v for k, v in env.items() if "SERVE" in k})
+        assert SERVE_ENV.items() <= env.items(), (pid, {k: v for k, v in env.items() if "SERVE" in k})
