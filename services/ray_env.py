@@ -18,7 +18,7 @@ import os
 #   methods in a thread pool). Worth 1.2-1.3x serving throughput at 16 streams.
 # - The controller's loop runs every 0.5 s, not 0.1 s, and replicas export Serve's cached
 #   metrics every second, not ten times a second: each wake-up takes a core from the engine's
-#   threads on a small machine. Idle `baton serve` uses a quarter less CPU; a replica's failure
+#   threads on a small machine. Idle `baton serve` uses a fifth less CPU; a replica's failure
 #   or an autoscaling decision is acted on up to 0.4 s later, and Ray's metrics are pushed
 #   every 2 s anyway (launcher.METRICS_REPORT_INTERVAL_MS).
 # Numbers: docs/benchmarks.md.

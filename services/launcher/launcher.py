@@ -214,7 +214,7 @@ class LocalDeployment:
         return self
 
     def _environment(self, http_port: int, grpc_port: int) -> dict[str, str]:
-        """What Ray's processes need from us: the replicas' (unless set here already), the proxy
+        """What Ray's processes need from us: Serve's settings (unless set here already), the proxy
         hook's, the local Redis's, direct ingress's."""
         server = self.config.server
         env = {name: value for name, value in SERVE_ENV.items() if name not in os.environ}
