@@ -259,6 +259,7 @@ def decode_case(plan: Plan, num_seqs: int, seq_len: int, peak_tbs: float | None,
 def prefill_case(plan: Plan, num_seqs: int, seq_len: int) -> str:
     import torch
     import torch.nn.functional as F
+    from baton.kernels.attention_tiles import compute_capability
     from baton.kernels.prefill_attention import PrefillTiles, prefill_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -303,7 +304,8 @@ def prefill_case(plan: Plan, num_seqs: int, seq_len: int) -> str:
     out = run().view(num_seqs, seq_len, heads.num_heads, heads.head_dim).transpose(1, 2)
     max_err = float("nan") if reference is None else (out.float() - reference.float()).abs().max().item()
     print(f"max |ours - SDPA|: {max_err:.4f}")
-    default_tiles = PrefillTiles.default(heads.head_dim)
+    sm = compute_capability(query.device)
+    default_tiles = PrefillTiles.default(heads.head_dim, query.element_size(), sm)
     ours_ms = bench_ms(run, plan.device)
     if ours_ms is None:
         return f"prefill {num_seqs}x{seq_len}: FAILED with the default {default_tiles}"
@@ -311,8 +313,10 @@ def prefill_case(plan: Plan, num_seqs: int, seq_len: int) -> str:
     best = (ours_ms, str(default_tiles))
     if plan.sweep:
         for tiles in (
+            PrefillTiles(128, 64, 8, 3),
             PrefillTiles(128, 64, 4, 3),
             PrefillTiles(128, 128, 8, 2),
+            PrefillTiles(128, 128, 8, 3),
             PrefillTiles(64, 64, 4, 3),
             PrefillTiles(128, 32, 4, 3),
             PrefillTiles(64, 128, 4, 2),

@@ -13,6 +13,8 @@ by the caller (the table may end before the tile does).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,20 @@ LOG2_E = 1.4426950408889634  # scores are kept in log2 units so the kernels can 
 def dot_precision(dtype: torch.dtype) -> str:
     """IEEE products for float32 (not TF32), so float32 matches the reference on a GPU too."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def compute_capability(device: torch.device) -> int:
+    """The CUDA device's compute capability as major * 10 + minor (90 for Hopper), which some
+    default launch shapes depend on; 0 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
 
 
 @triton.jit

@@ -18,6 +18,7 @@ without masking the load turns its output NaN, which no tolerance accepts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -65,6 +66,7 @@ def make_paged_context(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    device: torch.device = DEVICE,
 ) -> PagedContext:
     """Random K/V for each request's context, in shuffled, non-contiguous blocks."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,18 +83,20 @@ def make_paged_context(
         positions = torch.arange(seq_len)
         slots = (blocks[positions // block_size].long(), positions % block_size)
         kv[:, slots[0], slots[1]] = torch.randn((2, seq_len, num_kv_heads, head_dim), generator=gen).to(dtype)
-    kv = kv.to(DEVICE)
-    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    return PagedContext(kv[0], kv[1], block_tables.to(DEVICE), seq_lens_tensor)
+    kv = kv.to(device)
+    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return PagedContext(kv[0], kv[1], block_tables.to(device), seq_lens_tensor)
 
 
-def strided_heads(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+def strided_heads(
+    num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 1, device: torch.device = DEVICE
+) -> torch.Tensor:
     """Random [T, H, D] as a view into a wider, NaN-filled row (as q is a slice of qkv)."""
     gen = torch.Generator().manual_seed(seed)
     wide = torch.full((num_tokens, (num_heads + 3) * head_dim), float("nan"), dtype=dtype)
     view = wide[:, head_dim : (num_heads + 1) * head_dim].view(num_tokens, num_heads, head_dim)
     view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
-    return wide.to(DEVICE)[:, head_dim : (num_heads + 1) * head_dim].view(num_tokens, num_heads, head_dim)
+    return wide.to(device)[:, head_dim : (num_heads + 1) * head_dim].view(num_tokens, num_heads, head_dim)
 
 
 @pytest.fixture
@@ -108,6 +112,18 @@ def paged_context():
 @pytest.fixture
 def heads_view():
     return strided_heads
+
+
+# The C++ CPU kernels' tests: the same inputs on the CPU, also where a GPU is the test device
+# (a strided CUDA view copied to the CPU would arrive contiguous).
+@pytest.fixture
+def cpu_paged_context():
+    return functools.partial(make_paged_context, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def cpu_heads_view():
+    return functools.partial(strided_heads, device=torch.device("cpu"))
 
 
 @pytest.fixture

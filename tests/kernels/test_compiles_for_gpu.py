@@ -74,7 +74,7 @@ def main() -> None:
             compile_for(
                 arch, decode._reduce_splits_kernel, dtype, reduce_constexprs, partial_ptr="*fp32", lse_ptr="*fp32"
             )
-            tiles = prefill.PrefillTiles.default(head_dim)
+            tiles = prefill.PrefillTiles.default(head_dim, element_size=4 if dtype == "fp32" else 2, sm=arch)
             constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_SIZE=16)
             constexprs |= dict(DOT_PRECISION=precision)
             compile_for(arch, prefill._prefill_kernel, dtype, constexprs, tiles.num_warps, tiles.num_stages)

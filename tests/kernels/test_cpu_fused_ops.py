@@ -51,7 +51,7 @@ def test_rms_norm_keeps_leading_dimensions_and_ops_falls_back_for_strided_input(
     weight = randn(64, dtype=torch.float32, seed=2)
     out, _ = cpu_ops.rms_norm(x, weight, 1e-5)
     close(out, rms_norm_ref(x, weight, 1e-5)[0])
-    strided = strided_heads(5, 4, 64, torch.float32).cpu()  # q heads: a view into qkv rows
+    strided = strided_heads(5, 4, 64, torch.float32, device=torch.device("cpu"))  # q heads: a view into qkv rows
     out, _ = ops.rms_norm(strided, weight, 1e-5)
     close(out, rms_norm_ref(strided, weight, 1e-5)[0])
     with pytest.raises(RuntimeError, match="contiguous"):

@@ -17,11 +17,11 @@ from testlib.kernel_sweep import (
 )
 
 
-def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype):
-    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
-    query = heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype).cpu()  # a strided view
+def run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype):
+    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = cpu_heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype)  # a strided view
     scale = head_dim**-0.5
-    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu(), ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    caches = ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens
     out = cpu_ops.paged_decode_attention(query, *caches, scale)
     expected = paged_decode_attention_ref(query.float(), *ctx.reference_inputs(), scale)
     assert out.dtype == dtype and out.shape == query.shape
@@ -37,9 +37,9 @@ def test_the_kernels_build_on_this_machine():
 @pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")  # 48: the generic path
-def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+def test_matches_reference(cpu_paged_context, cpu_heads_view, check, head_dim, group, block_size, dtype):
     seq_lens = [1, 7, block_size, block_size + 3, 3 * block_size - 1, 100, 301]
-    run_and_check(paged_context, heads_view, check, seq_lens, 2, group, head_dim, block_size, dtype)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, 2, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
@@ -47,37 +47,37 @@ def test_matches_reference(paged_context, heads_view, check, head_dim, group, bl
     ("head_dim", "group", "num_kv_heads", "block_size"), OTHER_ATTENTION_SHAPES, ids=OTHER_ATTENTION_SHAPE_IDS
 )
 def test_other_shapes_match_reference(
-    paged_context, heads_view, check, head_dim, group, num_kv_heads, block_size, dtype
+    cpu_paged_context, cpu_heads_view, check, head_dim, group, num_kv_heads, block_size, dtype
 ):
     seq_lens = [1, block_size + 1, 2 * block_size, 257]
-    run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 6), (128, 3), (256, 3)], ids=lambda v: str(v))
-def test_groups_that_split_into_uneven_passes(paged_context, heads_view, check, head_dim, group):
+def test_groups_that_split_into_uneven_passes(cpu_paged_context, cpu_heads_view, check, head_dim, group):
     """The vector path takes 256 / head_dim query heads per pass over the context: a group
     that does not divide into passes ends with a shorter one."""
-    run_and_check(paged_context, heads_view, check, [1, 33, 300], 2, group, head_dim, 16, torch.float32)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 33, 300], 2, group, head_dim, 16, torch.float32)
 
 
-def test_float16(paged_context, heads_view, check):
-    run_and_check(paged_context, heads_view, check, [1, 40, 300], 2, 4, 64, 16, torch.float16)
+def test_float16(cpu_paged_context, cpu_heads_view, check):
+    run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 40, 300], 2, 4, 64, 16, torch.float16)
 
 
-def test_auto_picks_the_kernel_on_cpu(monkeypatch, paged_context, heads_view):
-    ctx = paged_context([5, 40], 2, 64, 16, torch.float32)
-    query = heads_view(2, 4, 64, torch.float32).cpu()
+def test_auto_picks_the_kernel_on_cpu(monkeypatch, cpu_paged_context, cpu_heads_view):
+    ctx = cpu_paged_context([5, 40], 2, 64, 16, torch.float32)
+    query = cpu_heads_view(2, 4, 64, torch.float32)
     calls = []
     real = cpu_ops.paged_decode_attention
     monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
-    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu(), ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+    caches = ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens
     ops.paged_decode_attention(query, *caches, 0.125)
     assert calls == [1]
     ops.paged_decode_attention(query, *caches, 0.125, impl="torch")
     assert calls == [1]
 
 
-def test_a_failed_build_falls_back_to_the_reference(monkeypatch, caplog, paged_context, heads_view, check):
+def test_a_failed_build_falls_back_to_the_reference(monkeypatch, caplog, cpu_paged_context, cpu_heads_view, check):
     def broken_load(**kwargs):
         raise RuntimeError("Error building extension 'baton_cpu_kernels'\nc++: not found")
 
@@ -86,8 +86,8 @@ def test_a_failed_build_falls_back_to_the_reference(monkeypatch, caplog, paged_c
     with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
         assert not cpu_ops.available()
     assert "could not be built (RuntimeError: c++: not found)" in caplog.text
-    ctx = paged_context([5, 40], 2, 64, 16, torch.float32)
-    query = heads_view(2, 4, 64, torch.float32).cpu()
+    ctx = cpu_paged_context([5, 40], 2, 64, 16, torch.float32)
+    query = cpu_heads_view(2, 4, 64, torch.float32)
     caches = ctx.reference_inputs()  # the reference needs finite values past each context
     check(ops.paged_decode_attention(query, *caches, 0.125), paged_decode_attention_ref(query, *caches, 0.125))
     with pytest.raises(cpu_ops.CpuKernelsUnavailable, match="c\\+\\+: not found"):
@@ -102,19 +102,19 @@ def test_the_switch_turns_the_kernels_off(monkeypatch):
         cpu_ops.require()
 
 
-def test_bad_inputs_are_named(paged_context, heads_view):
-    ctx = paged_context([5], 2, 64, 16, torch.float32)
-    query = heads_view(1, 4, 64, torch.float32).cpu()
-    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu()
-    tables = ctx.block_tables.cpu(), ctx.seq_lens.cpu()
+def test_bad_inputs_are_named(cpu_paged_context, cpu_heads_view):
+    ctx = cpu_paged_context([5], 2, 64, 16, torch.float32)
+    query = cpu_heads_view(1, 4, 64, torch.float32)
+    caches = ctx.key_cache, ctx.value_cache
+    tables = ctx.block_tables, ctx.seq_lens
     with pytest.raises(RuntimeError, match="query and caches must share a dtype"):
         cpu_ops.paged_decode_attention(query.bfloat16(), *caches, *tables, 0.1)
     with pytest.raises(RuntimeError, match="3 query heads do not divide into 2 KV heads"):
-        cpu_ops.paged_decode_attention(heads_view(1, 3, 64, torch.float32).cpu(), *caches, *tables, 0.1)
+        cpu_ops.paged_decode_attention(cpu_heads_view(1, 3, 64, torch.float32), *caches, *tables, 0.1)
     with pytest.raises(RuntimeError, match="query head size 32 != cache head size 64"):
-        cpu_ops.paged_decode_attention(heads_view(1, 4, 32, torch.float32).cpu(), *caches, *tables, 0.1)
+        cpu_ops.paged_decode_attention(cpu_heads_view(1, 4, 32, torch.float32), *caches, *tables, 0.1)
     with pytest.raises(RuntimeError, match="one row per request"):
-        cpu_ops.paged_decode_attention(heads_view(2, 4, 64, torch.float32).cpu(), *caches, *tables, 0.1)
+        cpu_ops.paged_decode_attention(cpu_heads_view(2, 4, 64, torch.float32), *caches, *tables, 0.1)
 
 
 def test_the_cpp_backend_is_checked_when_the_engine_starts(monkeypatch, llama_dir):
@@ -126,6 +126,6 @@ def test_the_cpp_backend_is_checked_when_the_engine_starts(monkeypatch, llama_di
     monkeypatch.setattr(cpu_ops, "_state", {})
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
     with pytest.raises(cpu_ops.CpuKernelsUnavailable, match="BATON_CPU_KERNELS=0"):
-        LLM(model=str(llama_dir), kernel_backend="cpp", num_kv_blocks=16)
-    llm = LLM(model=str(llama_dir), num_kv_blocks=16)  # auto: the reference, and it still generates
+        LLM(model=str(llama_dir), kernel_backend="cpp", device="cpu", num_kv_blocks=16)
+    llm = LLM(model=str(llama_dir), device="cpu", num_kv_blocks=16)  # auto: the reference, and it still generates
     assert len(llm.generate(["Hello"])[0].token_ids) > 0

@@ -22,16 +22,16 @@ needs_kernel = pytest.mark.skipif(
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
 
 
-def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype):
+def run_and_check(cpu_paged_context, cpu_heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype):
     seq_lens = [cached + new for cached, new in requests]
     num_queries = torch.tensor([new for _, new in requests])
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(num_queries, 0)
-    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
-    query = heads_view(int(num_queries.sum()), num_kv_heads * group, head_dim, dtype).cpu()  # a strided view
+    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = cpu_heads_view(int(num_queries.sum()), num_kv_heads * group, head_dim, dtype)  # a strided view
     scale = head_dim**-0.5
-    caches = ctx.key_cache.cpu(), ctx.value_cache.cpu(), ctx.block_tables.cpu()
-    out = cpu_ops.paged_prefill_attention(query, *caches, query_start_loc, ctx.seq_lens.cpu(), scale)
+    caches = ctx.key_cache, ctx.value_cache, ctx.block_tables
+    out = cpu_ops.paged_prefill_attention(query, *caches, query_start_loc, ctx.seq_lens, scale)
     key_cache, value_cache, block_tables, seq_lens_cpu = ctx.reference_inputs()
     expected = prefill_attention_ref(
         query.float(), key_cache, value_cache, block_tables, query_start_loc, seq_lens_cpu, scale
@@ -45,28 +45,28 @@ def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, grou
 @pytest.mark.parametrize("block_size", [16, 32, 8], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
-def test_matches_reference(paged_context, heads_view, check, head_dim, group, block_size, dtype):
+def test_matches_reference(cpu_paged_context, cpu_heads_view, check, head_dim, group, block_size, dtype):
     if group > cpu_ops.prefill_attention_max_group():
         pytest.skip(f"{group} query heads per KV head are more than this CPU's vector lanes (the reference runs)")
-    run_and_check(paged_context, heads_view, check, REQUESTS, 2, group, head_dim, block_size, dtype)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, REQUESTS, 2, group, head_dim, block_size, dtype)
 
 
 @needs_kernel
-def test_a_long_chunk_after_a_long_prefix(paged_context, heads_view, check):
+def test_a_long_chunk_after_a_long_prefix(cpu_paged_context, cpu_heads_view, check):
     """Tiles whose keys span many chunks of 16, heaviest tasks first, several requests."""
     requests = [(922, 102), (0, 300), (17, 1)]
-    run_and_check(paged_context, heads_view, check, requests, 4, 2, 64, 16, torch.float32)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, requests, 4, 2, 64, 16, torch.float32)
 
 
 @needs_kernel
-def test_float16(paged_context, heads_view, check):
-    run_and_check(paged_context, heads_view, check, REQUESTS, 2, 4, 64, 16, torch.float16)
+def test_float16(cpu_paged_context, cpu_heads_view, check):
+    run_and_check(cpu_paged_context, cpu_heads_view, check, REQUESTS, 2, 4, 64, 16, torch.float16)
 
 
 @needs_kernel
-def test_the_result_does_not_depend_on_the_thread_count(paged_context, heads_view):
-    ctx = paged_context([300, 41], 2, 64, 16, torch.float32)
-    query = heads_view(341, 4, 64, torch.float32).cpu()
+def test_the_result_does_not_depend_on_the_thread_count(cpu_paged_context, cpu_heads_view):
+    ctx = cpu_paged_context([300, 41], 2, 64, 16, torch.float32)
+    query = cpu_heads_view(341, 4, 64, torch.float32)
     args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, torch.tensor([0, 300, 341], dtype=torch.int32))
     threads = torch.get_num_threads()
     try:
@@ -79,14 +79,14 @@ def test_the_result_does_not_depend_on_the_thread_count(paged_context, heads_vie
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_ops_picks_the_kernel_where_it_has_one(monkeypatch, paged_context, heads_view):
+def test_ops_picks_the_kernel_where_it_has_one(monkeypatch, cpu_paged_context, cpu_heads_view):
     calls = []
     real = cpu_ops.paged_prefill_attention
     monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
     for head_dim, expected in ((64, cpu_ops.prefill_attention_supported(2, 1, 64)), (48, False)):
         calls.clear()
-        ctx = paged_context([5], 1, head_dim, 16, torch.float32)
-        query = heads_view(5, 2, head_dim, torch.float32).cpu()
+        ctx = cpu_paged_context([5], 1, head_dim, 16, torch.float32)
+        query = cpu_heads_view(5, 2, head_dim, torch.float32)
         args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, torch.tensor([0, 5], dtype=torch.int32))
         out = ops.prefill_attention(query, *args, ctx.seq_lens, 0.125, 5)
         assert calls == ([1] if expected else []), head_dim  # 48: no kernel, the reference

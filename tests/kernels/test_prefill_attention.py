@@ -63,10 +63,20 @@ def test_matches_reference(paged_context, heads_view, check, head_dim, group, bl
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
-def test_default_tiles(paged_context, heads_view, check, head_dim, dtype):
-    """The tiles a GPU runs with, over a chunk longer than one query tile."""
+@pytest.mark.parametrize("sm", [80, 90], ids=lambda sm: f"sm{sm}")
+def test_default_tiles(paged_context, heads_view, check, head_dim, dtype, sm):
+    """The tiles an Ampere or Hopper GPU runs with, over a chunk longer than one query tile."""
     requests = [(0, 150), (100, 30), (3, 1)]
-    run_and_check(paged_context, heads_view, check, requests, 2, 4, head_dim, 16, dtype)
+    tiles = PrefillTiles.default(head_dim, dtype.itemsize, sm)
+    run_and_check(paged_context, heads_view, check, requests, 2, 4, head_dim, 16, dtype, tiles=tiles)
+
+
+def test_hopper_takes_wider_key_tiles_for_16_bit_head_size_128():
+    assert PrefillTiles.default(128, 2, sm=90) == PrefillTiles(128, 128, num_warps=8, num_stages=2)
+    narrow = PrefillTiles(128, 64, num_warps=8, num_stages=3)
+    assert PrefillTiles.default(128, 4, sm=90) == narrow  # float32 tiles would not fit twice
+    assert PrefillTiles.default(128, 2, sm=80) == narrow
+    assert PrefillTiles.default(128, 2) == narrow
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
