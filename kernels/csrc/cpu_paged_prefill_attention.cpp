@@ -7,10 +7,10 @@
 // 0 .. L - Q + i. The reference gathers each request's context and calls torch's flash
 // attention, which ran at 44-82 GFLOP/s here (an AMD EPYC, 2 threads, float32).
 //
-// A task is one (request, KV head, tile of tokens). Its vector lanes (16 with AVX-512, 8 with
-// AVX2) are the tile's rows, (token, query head) pairs of the query heads sharing that KV head
-// (GQA), so every score, the online softmax and the weighted values are lane-wise: for each
-// chunk of as many keys as lanes,
+// A task is one (request, KV head, one or two tiles of tokens). A tile's vector lanes (16
+// with AVX-512, 8 with AVX2) are its rows, (token, query head) pairs of the query heads
+// sharing that KV head (GQA), so every score, the online softmax and the weighted values are
+// lane-wise: for each chunk of as many keys as lanes,
 //
 //     S[t]   = sum_d qT[d] * k[t][d]                     (a vector of rows per key t)
 //     P[t]   = exp(S[t] - m_new), 0 where key t is in a row's future
@@ -18,11 +18,11 @@
 //
 // with k[t][d] and v[t][d] broadcast from a float32 copy of the chunk's rows, gathered
 // through the block table (so any block size works): no transposed copies of K, no
-// reductions across lanes. The queries are transposed once per task (qT [D][16]) and the
-// results once at the end; a tile stops at its last row's position. Threads take tasks
-// from a shared counter, heaviest (request, KV head) first and its tiles one after another,
-// so a long request starts early, one request's K/V of a head stays in cache while its
-// tiles go by, and a preempted thread leaves its work to the other.
+// reductions across lanes. The queries are transposed once per task (qT [D][lanes] per
+// tile) and the results once at the end; a task stops at its last row's position. Threads
+// take tasks from a shared counter, heaviest (request, KV head) first and its tiles one
+// after another, so a long request starts early, one request's K/V of a head stays in cache
+// while its tiles go by, and a preempted thread leaves its work to the other.
 //
 // Head sizes 64, 128 and 256 with up to a vector's lanes of query heads per KV head; ops.py
 // keeps the reference for the rest, and for builds with neither AVX-512 nor AVX2 and FMA
@@ -142,18 +142,26 @@ inline void row_to_float(const baton_cpu::raw_t<scalar_t>* src, float* dst) {
   }
 }
 
-// Output columns per pass of the weighted-values loop: enough independent accumulators to
-// cover the FMA latency, few enough to stay in registers beside the chunk's scores.
+// Output columns per pass of the weighted-values loop, over all of a task's tiles: enough
+// independent accumulators to cover the FMA latency (one column at a time makes a chain as
+// long as the chunk, each FMA waiting for the last: the kernel 8% slower on an AVX2 EPYC),
+// few enough to stay in registers.
 constexpr int kColumns = 8;
 
-template <typename scalar_t, int D>
+// One task's NT tiles of rows (NT = 1 or 2) against one chunk of keys after another. Two
+// tiles share each gathered chunk and each broadcast key or value element, which halves the
+// loads per FMA; a chunk too short for two tiles takes one, so no lanes go to waste.
+template <typename scalar_t, int D, int NT>
 void run_task(const Problem& p, const Task& task, float* scratch) {
   static_assert(D % kLanes == 0 && D % kColumns == 0, "rows are copied and summed in whole vectors");
+  constexpr int kKeysPerPass = kLanes / NT;  // the score loop keeps NT * kKeysPerPass accumulators
+  constexpr int kColumnsPerTile = kColumns / NT;
   using raw = baton_cpu::raw_t<scalar_t>;
-  float* qT = scratch;                 // [D][16]
-  float* accT = qT + D * kLanes;       // [D][16]
-  float* kbuf = accT + D * kLanes;     // [16][D]: one chunk's keys as float32
-  float* vbuf = kbuf + kLanes * D;     // [16][D]: and its values
+  float* qT = scratch;                   // [NT][D][kLanes]
+  float* accT = qT + NT * D * kLanes;    // [NT][D][kLanes]
+  float* kbuf = accT + NT * D * kLanes;  // [kLanes][D]: one chunk's keys as float32
+  float* vbuf = kbuf + kLanes * D;       // [kLanes][D]: and its values
+  float* sbuf = vbuf + kLanes * D;       // [NT][kLanes keys][kLanes rows]: the chunk's scores
   const int64_t r = task.request, h = task.kv_head, G = p.group;
   const int64_t seq_len = p.seq_lens[r];
   const int64_t num_queries = p.query_start_loc[r + 1] - p.query_start_loc[r];
@@ -163,23 +171,33 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
   const raw* kc = baton_cpu::raw(static_cast<const scalar_t*>(p.key_cache));
   const raw* vc = baton_cpu::raw(static_cast<const scalar_t*>(p.value_cache));
   const int64_t row_stride = p.num_kv_heads * D, block_stride = p.block_size * row_stride;
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kLanes / G);
 
-  // Lanes: (token i, head g) -> i * G + g; lanes past the tile copy lane 0's position and a
-  // zero query, so they stay finite (their results are never written).
-  alignas(64) int32_t qpos[kLanes];
-  const int64_t rows = task.num_tokens * G;
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    const int64_t i = lane < rows ? lane / G : 0;
-    qpos[lane] = static_cast<int32_t>(first_pos + task.first_token + i);
-    const raw* qrow = q + (p.query_start_loc[r] + task.first_token + i) * p.q_token_stride +
-                      (h * G + (lane < rows ? lane % G : 0)) * p.q_head_stride;
-    for (int d = 0; d < D; ++d)
-      qT[d * kLanes + lane] = lane < rows ? baton_cpu::to_float<scalar_t>(qrow[d]) * p.scale : 0.f;
+  // Tile i's lanes: (token i * tokens_per_tile + lane / G, head lane % G); lanes past the
+  // tile's rows copy its first row's position and a zero query, so they stay finite (their
+  // results are never written).
+  int64_t rows[NT];
+  vint positions[NT];
+  for (int i = 0; i < NT; ++i) {
+    const int64_t first_token = task.first_token + i * tokens_per_tile;
+    rows[i] = std::min<int64_t>(tokens_per_tile, task.num_tokens - i * tokens_per_tile) * G;
+    alignas(64) int32_t qpos[kLanes];
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const bool real = lane < rows[i];
+      const int64_t t = first_token + (real ? lane / G : 0);
+      qpos[lane] = static_cast<int32_t>(first_pos + t);
+      const raw* qrow = q + (p.query_start_loc[r] + t) * p.q_token_stride + (h * G + (real ? lane % G : 0)) * p.q_head_stride;
+      for (int d = 0; d < D; ++d)
+        qT[(i * D + d) * kLanes + lane] = real ? baton_cpu::to_float<scalar_t>(qrow[d]) * p.scale : 0.f;
+    }
+    positions[i] = vload_int(qpos);
   }
-  for (int d = 0; d < D; ++d) vstore(accT + d * kLanes, vzero());
-  const vint positions = vload_int(qpos);
-  vfloat run_max = vset(-std::numeric_limits<float>::infinity());
-  vfloat run_sum = vzero();
+  for (int d = 0; d < NT * D; ++d) vstore(accT + d * kLanes, vzero());
+  vfloat run_max[NT], run_sum[NT];
+  for (int i = 0; i < NT; ++i) {
+    run_max[i] = vset(-std::numeric_limits<float>::infinity());
+    run_sum[i] = vzero();
+  }
 
   for (int64_t p0 = 0; p0 < task.num_keys; p0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, task.num_keys - p0);
@@ -195,60 +213,84 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
     }
     for (int64_t t = n; t < kLanes; ++t)  // masked below; zeros keep them finite
       for (int d = 0; d < D; ++d) kbuf[t * D + d] = vbuf[t * D + d] = 0.f;
-    // scores, one vector of kLanes rows per key
-    vfloat s[kLanes];
-    for (int t = 0; t < kLanes; ++t) s[t] = vzero();
-    for (int d = 0; d < D; ++d) {
-      const vfloat qd = vload(qT + d * kLanes);
-      for (int t = 0; t < kLanes; ++t) s[t] = vfma(qd, vset(kbuf[t * D + d]), s[t]);
+    // scores, one vector of kLanes rows per tile and key
+    for (int k0 = 0; k0 < kLanes; k0 += kKeysPerPass) {
+      vfloat s[NT][kKeysPerPass];
+      for (int i = 0; i < NT; ++i)
+        for (int t = 0; t < kKeysPerPass; ++t) s[i][t] = vzero();
+      for (int d = 0; d < D; ++d) {
+        vfloat qd[NT];
+        for (int i = 0; i < NT; ++i) qd[i] = vload(qT + (i * D + d) * kLanes);
+        for (int t = 0; t < kKeysPerPass; ++t) {
+          const vfloat k = vset(kbuf[(k0 + t) * D + d]);
+          for (int i = 0; i < NT; ++i) s[i][t] = vfma(qd[i], k, s[i][t]);
+        }
+      }
+      for (int i = 0; i < NT; ++i)
+        for (int t = 0; t < kKeysPerPass; ++t) vstore(sbuf + (i * kLanes + k0 + t) * kLanes, s[i][t]);
     }
-    // online softmax: key p0 + t is visible to the rows whose position is at least p0 + t
-    vmask visible[kLanes];
-    vfloat chunk_max = run_max;
-    for (int t = 0; t < kLanes; ++t) {
-      visible[t] = t < n ? at_least(positions, static_cast<int32_t>(p0 + t)) : no_lanes();
-      chunk_max = max_where(visible[t], chunk_max, s[t]);
+    // online softmax, per tile: key p0 + t is visible to the rows whose position is at least p0 + t
+    vfloat correction[NT];
+    for (int i = 0; i < NT; ++i) {
+      float* si = sbuf + i * kLanes * kLanes;
+      vmask visible[kLanes];
+      vfloat chunk_max = run_max[i];
+      for (int t = 0; t < kLanes; ++t) {
+        visible[t] = t < n ? at_least(positions[i], static_cast<int32_t>(p0 + t)) : no_lanes();
+        chunk_max = max_where(visible[t], chunk_max, vload(si + t * kLanes));
+      }
+      correction[i] = vexp(run_max[i] - chunk_max);
+      run_max[i] = chunk_max;
+      vfloat sum = vzero();
+      for (int t = 0; t < kLanes; ++t) {
+        const vfloat e = zero_unless(visible[t], vexp(vload(si + t * kLanes) - chunk_max));
+        vstore(si + t * kLanes, e);
+        sum = sum + e;
+      }
+      run_sum[i] = vfma(run_sum[i], correction[i], sum);
     }
-    const vfloat correction = vexp(run_max - chunk_max);
-    run_max = chunk_max;
-    vfloat sum = vzero();
-    for (int t = 0; t < kLanes; ++t) {
-      s[t] = zero_unless(visible[t], vexp(s[t] - chunk_max));
-      sum = sum + s[t];
-    }
-    run_sum = vfma(run_sum, correction, sum);
-    // weighted values, kColumns output columns at a time: their accumulators are independent
-    // FMA chains, where one column at a time makes a chain as long as the chunk, each FMA
-    // waiting for the last (the whole kernel 8% slower on an AVX2 EPYC).
-    for (int d0 = 0; d0 < D; d0 += kColumns) {
-      vfloat acc[kColumns];
-      for (int j = 0; j < kColumns; ++j) acc[j] = vload(accT + (d0 + j) * kLanes) * correction;
-      for (int t = 0; t < kLanes; ++t)
-        for (int j = 0; j < kColumns; ++j) acc[j] = vfma(s[t], vset(vbuf[t * D + d0 + j]), acc[j]);
-      for (int j = 0; j < kColumns; ++j) vstore(accT + (d0 + j) * kLanes, acc[j]);
+    // weighted values
+    for (int d0 = 0; d0 < D; d0 += kColumnsPerTile) {
+      vfloat acc[NT][kColumnsPerTile];
+      for (int i = 0; i < NT; ++i)
+        for (int j = 0; j < kColumnsPerTile; ++j) acc[i][j] = vload(accT + (i * D + d0 + j) * kLanes) * correction[i];
+      for (int t = 0; t < kLanes; ++t) {
+        vfloat pt[NT];
+        for (int i = 0; i < NT; ++i) pt[i] = vload(sbuf + (i * kLanes + t) * kLanes);
+        for (int j = 0; j < kColumnsPerTile; ++j) {
+          const vfloat v = vset(vbuf[t * D + d0 + j]);
+          for (int i = 0; i < NT; ++i) acc[i][j] = vfma(pt[i], v, acc[i][j]);
+        }
+      }
+      for (int i = 0; i < NT; ++i)
+        for (int j = 0; j < kColumnsPerTile; ++j) vstore(accT + (i * D + d0 + j) * kLanes, acc[i][j]);
     }
   }
 
-  alignas(64) float inv[kLanes];
-  vstore(inv, vset(1.f) / run_sum);  // every row sees key 0: sum > 0
   raw* out = baton_cpu::raw(static_cast<scalar_t*>(p.out));
-  for (int64_t lane = 0; lane < rows; ++lane) {
-    const int64_t i = lane / G, g = lane % G;
-    raw* orow = out + ((p.query_start_loc[r] + task.first_token + i) * p.num_heads + h * G + g) * D;
-    for (int d = 0; d < D; ++d) orow[d] = baton_cpu::from_float<scalar_t>(accT[d * kLanes + lane] * inv[lane]);
+  for (int i = 0; i < NT; ++i) {
+    alignas(64) float inv[kLanes];
+    vstore(inv, vset(1.f) / run_sum[i]);  // every row sees key 0: sum > 0
+    for (int64_t lane = 0; lane < rows[i]; ++lane) {
+      const int64_t t = task.first_token + i * tokens_per_tile + lane / G, g = lane % G;
+      raw* orow = out + ((p.query_start_loc[r] + t) * p.num_heads + h * G + g) * D;
+      for (int d = 0; d < D; ++d)
+        orow[d] = baton_cpu::from_float<scalar_t>(accT[(i * D + d) * kLanes + lane] * inv[lane]);
+    }
   }
 }
 
 template <typename scalar_t, int D>
 void prefill(const Problem& p, int64_t num_reqs) {
-  // Tasks: every request's chunk in tiles of 16 / G tokens, per KV head; heaviest first.
-  const int64_t tokens_per_tile = std::max<int64_t>(1, kLanes / p.group);
+  // Tasks: every request's chunk in pairs of tiles of kLanes / G tokens, per KV head;
+  // heaviest first.
+  const int64_t tokens_per_task = 2 * std::max<int64_t>(1, kLanes / p.group);
   std::vector<Task> tasks;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t num_queries = p.query_start_loc[r + 1] - p.query_start_loc[r];
     const int64_t first_pos = p.seq_lens[r] - num_queries;
-    for (int64_t i = 0; i < num_queries; i += tokens_per_tile) {
-      const int64_t n = std::min(tokens_per_tile, num_queries - i);
+    for (int64_t i = 0; i < num_queries; i += tokens_per_task) {
+      const int64_t n = std::min(tokens_per_task, num_queries - i);
       for (int64_t h = 0; h < p.num_kv_heads; ++h)
         tasks.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), static_cast<int32_t>(i),
                          static_cast<int32_t>(n), static_cast<int32_t>(first_pos + i + n)});
@@ -271,10 +313,15 @@ void prefill(const Problem& p, int64_t num_reqs) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1));
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    // On the thread's stack (64 KB at most), not thread_local: GCC reaches a thread_local
+    // On the thread's stack (100 KB at most), not thread_local: GCC reaches a thread_local
     // through a TLS call inside the inner loops, which spills every accumulator around it.
-    alignas(64) float scratch[4 * 256 * kLanes];
-    for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) run_task<scalar_t, D>(p, tasks[t], scratch);
+    alignas(64) float scratch[6 * D * kLanes + 2 * kLanes * kLanes];
+    for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
+      if (tasks[t].num_tokens > tokens_per_task / 2)
+        run_task<scalar_t, D, 2>(p, tasks[t], scratch);
+      else
+        run_task<scalar_t, D, 1>(p, tasks[t], scratch);
+    }
   });
 }
 #endif  // BATON_PREFILL_KERNEL
