@@ -186,7 +186,8 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
       const bool real = lane < rows[i];
       const int64_t t = first_token + (real ? lane / G : 0);
       qpos[lane] = static_cast<int32_t>(first_pos + t);
-      const raw* qrow = q + (p.query_start_loc[r] + t) * p.q_token_stride + (h * G + (real ? lane % G : 0)) * p.q_head_stride;
+      const raw* qrow =
+          q + (p.query_start_loc[r] + t) * p.q_token_stride + (h * G + (real ? lane % G : 0)) * p.q_head_stride;
       for (int d = 0; d < D; ++d)
         qT[(i * D + d) * kLanes + lane] = real ? baton_cpu::to_float<scalar_t>(qrow[d]) * p.scale : 0.f;
     }
@@ -253,7 +254,8 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
     for (int d0 = 0; d0 < D; d0 += kColumnsPerTile) {
       vfloat acc[NT][kColumnsPerTile];
       for (int i = 0; i < NT; ++i)
-        for (int j = 0; j < kColumnsPerTile; ++j) acc[i][j] = vload(accT + (i * D + d0 + j) * kLanes) * correction[i];
+        for (int j = 0; j < kColumnsPerTile; ++j)
+          acc[i][j] = vload(accT + (i * D + d0 + j) * kLanes) * correction[i];
       for (int t = 0; t < kLanes; ++t) {
         vfloat pt[NT];
         for (int i = 0; i < NT; ++i) pt[i] = vload(sbuf + (i * kLanes + t) * kLanes);
