@@ -69,6 +69,18 @@ def tune_malloc_for_cpu_inference() -> bool:
     return _applied
 
 
+def give_free_heap_back() -> bool:
+    """Hands the heap's free memory back to the OS (glibc's malloc_trim), which the tuning
+    above otherwise keeps for reuse: after sleep frees the KV cache, whose per-layer tensors
+    up to 32 MiB live in the heap. True where glibc did it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return True
+
+
 def onednn_rows(num_rows: int) -> int:
     """The row count to run a oneDNN linear of `num_rows` rows at (see the module's docstring):
     the count itself up to 8, a multiple of 8 up to 64, then a multiple of an eighth of the
