@@ -30,7 +30,6 @@ from ...kv_transfer.connector import KVConnector
 from ...model.attention import AttentionMetadata, PagedAttentionBackend
 from ...model.compressed_tensors import load_quantized_weights
 from ...model.config import ModelArch
-from ...model.cpu_tuning import give_free_heap_back
 from ...model.linear import process_weights_after_loading
 from ...model.parallel import TPGroup
 from ...model.registry import create_model
@@ -126,8 +125,6 @@ class ModelRunner:
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back to the device, not just to torch
-        elif self.device.type == "cpu":
-            give_free_heap_back()  # to the OS, not just to malloc
 
     @property
     def kv_cache_bytes(self) -> int:
