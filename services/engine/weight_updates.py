@@ -69,7 +69,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from ..model.cpu_tuning import give_free_heap_back
 from .api.input_processor import PreparedRequest
 from .api.outputs import RequestOutput
 from .errors import EngineSleepingError
@@ -247,8 +246,6 @@ class WeightUpdates:
         if drafter is not None:
             drafter.retain(set())  # no request keeps draft state that points at freed K/V
             drafter.runner.release_kv_cache()
-            if drafter.runner.device.type == "cpu":
-                give_free_heap_back()  # as each rank does after its own caches
         if level == 2:
             self.core.executor.run_on_ranks(_release_weights)
             self.weights_released = True

@@ -69,16 +69,17 @@ def tune_malloc_for_cpu_inference() -> bool:
     return _applied
 
 
-def give_free_heap_back() -> bool:
-    """Hands the heap's free memory back to the OS (glibc's malloc_trim), which the tuning
-    above otherwise keeps for reuse: after sleep frees the KV cache, whose per-layer tensors
-    up to 32 MiB live in the heap. True where glibc did it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return True
+def release_freed_memory(device: torch.device) -> None:
+    """Hands memory that tensors no longer use back to the system, after sleep frees the KV
+    cache: CUDA's caching allocator keeps it for torch, and on the CPU malloc's heap keeps it
+    (the tuning above), holding every per-layer tensor of up to 32 MiB."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "cpu":
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing kept to trim
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def onednn_rows(num_rows: int) -> int:

@@ -25,7 +25,7 @@ from ...kv_transfer.config import FaultInjection
 from ...kv_transfer.connector import KVConnector
 from ...kv_transfer.factory import create_connector
 from ...model.config import ModelArch
-from ...model.cpu_tuning import give_free_heap_back, tune_malloc_for_cpu_inference
+from ...model.cpu_tuning import tune_malloc_for_cpu_inference
 from ...model.linear import dense_parameters
 from ...model.parallel import TPGroup, backend_for_device
 from ...roles import Role
@@ -103,8 +103,6 @@ class ModelRank:
 
     def release_kv_cache(self) -> None:
         self.runner.release_kv_cache()
-        if self.runner.device.type == "cpu":
-            give_free_heap_back()  # to the OS, not just to malloc (the runner empties CUDA's cache)
 
     def restore_kv_cache(self) -> None:
         self.runner.initialize_kv_cache(self.num_kv_blocks)

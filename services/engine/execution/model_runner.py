@@ -30,6 +30,7 @@ from ...kv_transfer.connector import KVConnector
 from ...model.attention import AttentionMetadata, PagedAttentionBackend
 from ...model.compressed_tensors import load_quantized_weights
 from ...model.config import ModelArch
+from ...model.cpu_tuning import release_freed_memory
 from ...model.linear import process_weights_after_loading
 from ...model.parallel import TPGroup
 from ...model.registry import create_model
@@ -123,8 +124,7 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.release_kv_caches()
         self.kv_caches = []
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the memory back to the device, not just to torch
+        release_freed_memory(self.device)  # to the device or the OS, not just to the allocator
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...model.cpu_tuning import release_freed_memory
 from .draft_rows import lay_out, to_device
 from .eagle_model import EagleDrafter
 
@@ -49,8 +50,7 @@ class EagleRunner:
     def release_kv_cache(self) -> None:
         """Frees the drafter's KV cache, as the target's goes on sleep."""
         self.kv_cache = torch.empty(0, dtype=self.kv_cache.dtype, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_freed_memory(self.device)
 
     def restore_kv_cache(self) -> None:
         """The KV cache back (zeroed) at its size from start; a no-op when it is there."""
