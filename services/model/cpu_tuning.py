@@ -72,7 +72,8 @@ def tune_malloc_for_cpu_inference() -> bool:
 def release_freed_memory(device: torch.device) -> None:
     """Hands memory that tensors no longer use back to the system, after sleep frees the KV
     cache: CUDA's caching allocator keeps it for torch, and on the CPU malloc's heap keeps it
-    (the tuning above), holding every per-layer tensor of up to 32 MiB."""
+    (the tuning above). The heap holds every per-layer tensor of up to 32 MiB, and larger ones
+    too when its free top was big enough to serve them: glibc tries the top before mmap."""
     import torch
 
     if device.type == "cuda":
