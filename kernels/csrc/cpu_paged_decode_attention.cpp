@@ -11,10 +11,12 @@
 // online softmax (running max, running sum, weighted values) in float32, whatever the
 // cache dtype.
 //
-// Head sizes 64, 128 and 256 run a vector path (GCC vector types: AVX-512 here, split into
-// narrower registers where the CPU has none): the weighted values of up to 256 / D query
-// heads stay in registers across the whole context, the block's dot products are reduced
-// 16 at a time by a transposing tree of adds, and the softmax's exp is vec_math.h's. On
+// Head sizes 64, 128 and 256 run a vector path (GCC vector types as wide as the CPU's
+// registers: 16 lanes on AVX-512, 8 elsewhere): the weighted values of as many query heads as
+// fill half the registers stay in them across the whole context, the block's dot products are
+// reduced a vector's lanes at a time by a transposing tree of adds, and the softmax's exp is
+// vec_math.h's. 16-lane vectors on AVX2 ran as register pairs and spilled: 8 lanes there took
+// 0.82 ms where they took 1.25 (12 requests, context 280, cold cache; 2 threads). On
 // the bench model's shape (64 requests, 8 query / 4 KV heads of 64, contexts 16-780) that
 // path took 2.0 ms per layer in float32 and 1.5 ms in bfloat16 where a per-head scalar
 // loop took 2.5 and 1.8 (2 threads), bounded by the cache's bytes in float32. Other head
@@ -61,7 +63,14 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
 
 // ---- the vector path ----
 
+// AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+#else
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+#endif
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -93,9 +102,11 @@ inline vfloat load_row(const scalar_t* p) {
   }
 }
 
-// The lane sums of v[0..15], as one vector: a transposing tree of adds (15 adds for 16 sums,
-// where reducing each vector alone costs four dependent shuffle-adds per sum).
-inline vfloat sum_lanes16(const vfloat* v) {
+// The lane sums of v[0..kLanes-1], as one vector: a transposing tree of adds (kLanes - 1
+// adds for kLanes sums, where reducing each vector alone costs log2(kLanes) dependent
+// shuffle-adds per sum).
+#if defined(__AVX512F__)
+inline vfloat sum_lanes(const vfloat* v) {
   vfloat l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i)
     l1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -109,6 +120,19 @@ inline vfloat sum_lanes16(const vfloat* v) {
   return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vfloat sum_lanes(const vfloat* v) {
+  vfloat l1[4], l2[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: half sums of v[2i], 4-7: of v[2i + 1]
+    l1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // pairs of quarter sums of v[4i], v[4i + 2], v[4i + 1], v[4i + 3]
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(l2[0], l2[1], 0, 4, 2, 6, 8, 12, 10, 14) +
+         __builtin_shufflevector(l2[0], l2[1], 1, 5, 3, 7, 9, 13, 11, 15);
+}
+#endif
 
 // C query heads of one request (qf: their scaled queries, all sharing KV head h) against the
 // whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
@@ -158,7 +182,7 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
     for (int c = 0; c < C; ++c) {
       for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
       for (int64_t t = 0; t < n; t += kLanes) {
-        const vfloat sums = sum_lanes16(dots + c * padded + t);
+        const vfloat sums = sum_lanes(dots + c * padded + t);
         std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
       }
     }
@@ -212,7 +236,8 @@ void decode_vector(const at::Tensor& query, const at::Tensor& key_cache, const a
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  constexpr int kChunk = std::max(1, 256 / D);  // query heads per pass: 16 accumulators, half the registers
+  // query heads per pass: their accumulators take half the registers (one head at least)
+  constexpr int kChunk = std::max(1, kRegisters / 2 * kLanes / D);
   const int64_t num_tasks = num_reqs * num_kv_heads;
   std::atomic<int64_t> next_task{0};
 
