@@ -11,8 +11,8 @@
 // online softmax (running max, running sum, weighted values) in float32, whatever the
 // cache dtype.
 //
-// Head sizes 64, 128 and 256 run a vector path (GCC vector types as wide as the CPU's
-// registers: 16 lanes on AVX-512, 8 elsewhere): the weighted values of as many query heads as
+// Head sizes 64, 128 and 256 run a vector path (GCC vector types as wide as the x86 vector
+// registers: 16 lanes with AVX-512, 8 without): the weighted values of as many query heads as
 // fill half the registers stay in them across the whole context, the block's dot products are
 // reduced a vector's lanes at a time by a transposing tree of adds, and the softmax's exp is
 // vec_math.h's. 16-lane vectors on AVX2 ran as register pairs and spilled: 8 lanes there took
@@ -63,7 +63,7 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
 
 // ---- the vector path ----
 
-// AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8.
+// AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8 (the fallback elsewhere).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kRegisters = 32;
