@@ -45,7 +45,7 @@ setup(
     package_data={
         "baton.v1": ["*.proto", "*.protoset", "*.pyi"],
         "baton.services": ["**/*.jinja", "**/*.json"],
-        "baton.kernels": ["csrc/*.cpp"],
+        "baton.kernels": ["csrc/*.cpp", "csrc/*.h"],  # the headers too: the kernels build on first use
     },
     ext_modules=[
         Extension(
