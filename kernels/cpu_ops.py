@@ -145,22 +145,35 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _load(name: str, extra_cflags: list[str]) -> None:
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    load(
+        name=name,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=CFLAGS + extra_cflags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def build_variant(library: str, extra_cflags: list[str]):
+    """A second copy of the kernels, built with `extra_cflags` after -march=native and
+    registered as torch.ops.<library> beside baton_cpu (csrc/op_library.h). The tests build
+    the AVX2 paths this way on AVX-512 machines (`-mno-avx512f`), which would otherwise ship
+    untested wherever CI runs on AVX-512. Raises what the build raises."""
+    _load(f"{library}_kernels", [*extra_cflags, f"-DBATON_CPU_LIB={library}"])
+    return getattr(torch.ops, library)
+
+
 def _build() -> None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _state.update(ok=False, error=f"turned off by {ENV_SWITCH}=0")
         return
     try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
-        load(
-            name="baton_cpu_kernels",
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        _load("baton_cpu_kernels", [])
     except Exception as e:  # no compiler, no ninja, a failed build: the references still work
         last_line = (str(e).strip().splitlines() or [""])[-1]  # a compiler's last line says why
         error = f"{type(e).__name__}: {last_line}"

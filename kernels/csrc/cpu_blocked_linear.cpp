@@ -34,6 +34,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "op_library.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -312,9 +314,9 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocks, const s
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(BATON_CPU_LIB, m) {
   m.def("blocked_linear(Tensor x, Tensor blocks, Tensor? bias, int N) -> Tensor");
   m.def("blocked_linear_supported(ScalarType dtype) -> bool", &blocked_linear_supported);
 }
 
-TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("blocked_linear", &blocked_linear); }
+TORCH_LIBRARY_IMPL(BATON_CPU_LIB, CPU, m) { m.impl("blocked_linear", &blocked_linear); }

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "op_library.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -225,14 +227,14 @@ void rotary_embedding_and_cache(const at::Tensor& positions, at::Tensor query, a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(BATON_CPU_LIB, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
         "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(BATON_CPU_LIB, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);

@@ -36,6 +36,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "op_library.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -389,9 +391,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(BATON_CPU_LIB, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int N, int amx_min_rows) -> Tensor");
   m.def("int8_linear_layout() -> int", &int8_linear_layout);
 }
 
-TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(BATON_CPU_LIB, CPU, m) { m.impl("int8_linear", &int8_linear); }

@@ -30,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "op_library.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -380,9 +382,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 }  // namespace
 
-TORCH_LIBRARY(baton_cpu, m) {
+TORCH_LIBRARY(BATON_CPU_LIB, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(BATON_CPU_LIB, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -34,6 +34,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "op_library.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -383,11 +385,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(BATON_CPU_LIB, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
   m.def("prefill_attention_max_group() -> int", &prefill_attention_max_group);
 }
 
-TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+TORCH_LIBRARY_IMPL(BATON_CPU_LIB, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -1,0 +1,123 @@
+"""The CPU kernels' AVX2 paths on machines whose native build takes the AVX-512 ones.
+
+Each kernel picks its vector width, register tiles and lanes at compile time from
+-march=native, so the other tests check only the paths of the machine they run on. This
+file builds a second copy of the kernels with AVX-512 switched off (cpu_ops.build_variant,
+registered as torch.ops.baton_cpu_avx2) and checks its decode and prefill attention,
+blocked linear and int8 linear against the same references. Where the native build is
+already the AVX2 one, the file is skipped (the other tests cover it);
+BATON_TEST_AVX2_BUILD=1 runs it anyway. The build takes about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baton.kernels import cpu_ops
+from baton.kernels.reference import paged_decode_attention_ref, prefill_attention_ref
+from baton.services.model.blocked_linear import pack_blocks
+from baton.services.model.int8_linear import int8_linear_ref, pack_int8_blocks, quantize_int8
+from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
+
+LIBRARY = "baton_cpu_avx2"
+AVX2_FLAGS = ["-mno-avx512f", "-mno-amx-tile"]  # AVX-512's subsets and AMX depend on these
+
+
+def _cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def _why_skip() -> str | None:
+    flags = _cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        return "this CPU has no AVX2 with FMA to run an AVX2 build on"
+    if "avx512f" not in flags and os.environ.get("BATON_TEST_AVX2_BUILD") != "1":
+        return "the native build is the AVX2 one here (BATON_TEST_AVX2_BUILD=1 builds it again)"
+    if not cpu_ops.available():
+        return "Baton's CPU kernels cannot be built here"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or "")
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    return cpu_ops.build_variant(LIBRARY, AVX2_FLAGS)
+
+
+def test_the_second_build_is_the_avx2_one(avx2):
+    assert avx2.prefill_attention_max_group() == 8  # a vector's lanes: 16 on AVX-512
+    assert avx2.blocked_linear_supported(torch.float32)
+    assert not avx2.blocked_linear_supported(torch.bfloat16)  # AVX512-BF16 only
+    assert avx2.int8_linear_layout() == 1
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize("group", [1, 3, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")  # 48: the generic path
+def test_decode_attention(avx2, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
+    ctx = cpu_paged_context([1, 7, 16, 19, 47, 100, 301], 2, head_dim, 16, dtype)
+    query = cpu_heads_view(7, 2 * group, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = avx2.paged_decode_attention(
+        query.contiguous(), ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, scale
+    )
+    check(out, paged_decode_attention_ref(query.float(), *ctx.reference_inputs(), scale))
+
+
+# (cached, new) per request: full prefills, chunks after cached context, a request with no
+# queries this step, a chunk spanning several tiles
+REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_prefill_attention(avx2, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
+    new = torch.tensor([n for _, n in REQUESTS])
+    query_start_loc = torch.zeros(len(REQUESTS) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(new, 0)
+    ctx = cpu_paged_context([c + n for c, n in REQUESTS], 2, head_dim, 16, dtype)
+    query = cpu_heads_view(int(new.sum()), 2 * group, head_dim, dtype)
+    scale = head_dim**-0.5
+    caches = ctx.key_cache, ctx.value_cache, ctx.block_tables
+    out = avx2.paged_prefill_attention(query, *caches, query_start_loc, ctx.seq_lens, scale)
+    key_cache, value_cache, block_tables, seq_lens = ctx.reference_inputs()
+    check(
+        out,
+        prefill_attention_ref(query.float(), key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale),
+    )
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# every tile height of the AVX2 tiles (1 and 2 rows take their own), a panel boundary (120)
+ROWS = [1, 2, 3, 5, 6, 7, 13, 25, 121]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 48), (8, 7), (1024, 512)])
+def test_blocked_linear(avx2, rows, num_out, num_in):
+    weight, bias, x = _randn(num_out, num_in, seed=0), _randn(num_out, seed=1), _randn(rows, num_in, seed=2)
+    y = avx2.blocked_linear(x, pack_blocks(weight), bias, num_out)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [*ROWS[:-1], 24, 30])  # from 24 rows a block is widened once per call
+@pytest.mark.parametrize(("num_out", "num_in"), [(192, 64), (100, 48), (40, 70)])
+def test_int8_linear(avx2, rows, num_out, num_in):
+    q, scale = quantize_int8(_randn(num_out, num_in, seed=0) * 0.1)
+    bias, x = _randn(num_out, seed=1), _randn(rows, num_in, seed=2)
+    y = avx2.int8_linear(x, pack_int8_blocks(q, 1), scale, bias, num_out, 1 << 30)
+    expected = int8_linear_ref(x.double(), q, scale.double(), bias.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
