@@ -179,6 +179,7 @@ class LocalDeployment:
                     _metrics_export_port=self.metrics_export_port or free_listen_port(avoid={http_port, grpc_port}),
                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
                 )
+            _stop_log_monitor(ray)
         if self.signals is not None:
             self.signals.install(interrupt_start=True)  # ray.init replaced them (stop_signals.py)
         self.ray_logs_dir = _ray_logs_dir(ray)
@@ -297,6 +298,18 @@ def _dialled(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return "127.0.0.1"
     return f"[{host}]" if ":" in host else host
+
+
+def _stop_log_monitor(ray) -> None:
+    """Ray's log monitor reads every Ray process's log files ten times a second to send new
+    lines to the drivers that print them. The Ray that `baton serve` starts has one driver,
+    which prints none (log_to_driver=False), so the monitor only takes CPU from the engine:
+    ~0.012 cores of an idle server (docs/benchmarks.md). `ray start` can leave it out
+    (--include-log-monitor=false); `ray.init` cannot, so it is stopped once Ray is up. The
+    log files stay where they are (ray_logs_dir): each process writes its own."""
+    node = ray._private.worker._global_node  # Ray 2.60: the node ray.init just started
+    if node is not None:
+        node.kill_log_monitor(check_alive=False)
 
 
 def _ray_logs_dir(ray) -> Path | None:

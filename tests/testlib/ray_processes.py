@@ -19,6 +19,15 @@ def titled_pids(title: str) -> list[int]:
     return sorted(pid for pid, cmdline in _processes() if _is_titled(cmdline, title) and _is_ours(pid))
 
 
+def script_pids(name: str) -> list[int]:
+    """Our processes running the Python script `name` (`log_monitor.py`, `monitor.py`)."""
+    return sorted(
+        pid
+        for pid, cmdline in _processes()
+        if any(Path(arg).name == name for arg in cmdline.split(" ")[1:3]) and _is_ours(pid)
+    )
+
+
 def environment(pid: int) -> dict[str, str]:
     """The environment a process started with."""
     with open(f"/proc/{pid}/environ", "rb") as environ:

@@ -14,7 +14,7 @@ from baton.services.gateway.request_limits import RequestLimits
 from baton.services.ray_env import SERVE_ENV
 from testlib.baton_client import worker_stats
 from testlib.models import tiny_model
-from testlib.ray_processes import environment, replica_pids, titled_pids
+from testlib.ray_processes import environment, replica_pids, script_pids, titled_pids
 
 from .beside import check_no_one_held_up, counter_value, wait_for_counter
 
@@ -220,3 +220,11 @@ def test_serve_processes_start_with_serve_env(baton_app):
     for pid in pids:
         env = environment(pid)
         assert SERVE_ENV.items() <= env.items(), (pid, {k: v for k, v in env.items() if "SERVE" in k})
+
+
+def test_the_ray_baton_starts_runs_no_log_monitor(baton_app):
+    """Nothing prints Ray's log lines (log_to_driver=False), so the launcher stops the process
+    that tails them; Ray's other daemons (the autoscaler's monitor among them) still run."""
+    assert script_pids("monitor.py"), "the finder sees none of Ray's daemons"
+    assert script_pids("log_monitor.py") == []
+    assert any(baton_app.ray_logs_dir.glob("*.log")), "the processes' own log files are still written"
