@@ -1,14 +1,16 @@
 """Baton's CPU kernels against what they replaced, in one process, on the bench model's shapes.
 
-    python bench/cpu_kernels.py linear [--dtype float32|bfloat16]   # blocked linear vs oneDNN's packed GEMM
+    python bench/cpu_kernels.py linear [--dtype float32|bfloat16]   # blocked linear vs what `linear` runs without it
     python bench/cpu_kernels.py decode [--dtype float32|bfloat16]   # the engine's decode step, both ways
     python bench/cpu_kernels.py prefill                             # prefill attention vs the reference
     python bench/cpu_kernels.py int8                                # the int8 linear vs the float32 one
 
 linear   every linear shape of the bench model (and its LM head) at 1-2,048 rows: the blocked
          kernel (kernels/csrc/cpu_blocked_linear.cpp) and oneDNN's packed GEMM on the same
-         weights, enough copies of each weight (~150 MB) that they are read from memory as in a
-         decode step; best of 5; time ratio blocked / oneDNN per shape and summed over shapes.
+         weights (torch's dense matmul where oneDNN has no kernel for the dtype: bfloat16
+         without AVX-512), enough copies of each weight (~150 MB) that they are read from
+         memory as in a decode step (two from 256 rows, where the multiply is compute-bound);
+         best of 5; time ratio blocked / baseline per shape and summed over shapes.
 decode   two engines on the bench model, one with blocked weights, one with oneDNN's packed
          weights (as before the blocked kernel), alternating; decode step time at batch 1-32
          (256-token prompts; the time of 48 greedy tokens less that of 1, per token); best of 3.
@@ -55,33 +57,38 @@ def best_of(fn: Callable[[], None], reps: int) -> float:
 def bench_linear(dtype: torch.dtype) -> None:
     if not torch.ops.baton_cpu.blocked_linear_supported(dtype):
         raise SystemExit(f"this CPU's build has no blocked linear kernel for {dtype}")
+    # The baseline is what `linear` runs without the blocked kernel: oneDNN's packed GEMM
+    # where oneDNN multiplies the dtype natively, else torch's dense matmul (bfloat16 on AVX2).
+    baseline = "oneDNN" if linear.pack_weight_for_cpu(torch.ones(16, 16, dtype=dtype)) is not None else "torch"
     totals: dict[int, list[float]] = {}
-    print(f"blocked linear vs oneDNN packed, {dtype}, {torch.get_num_threads()} threads (us per call, best of 5)")
+    print(f"blocked linear vs {baseline}, {dtype}, {torch.get_num_threads()} threads (us per call, best of 5)")
     for n, k in SHAPES:
         copies = max(1, int(150e6 / (n * k * dtype.itemsize)))
         weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        packed = [linear.pack_weight_for_cpu(w) if baseline == "oneDNN" else w for w in weights]
         blocks = [pack_blocks(w) for w in weights]
         print(f"  {n} x {k}")
         for rows in ROWS:
             x = torch.randn(rows, k).to(dtype)
+            # From 256 rows the multiply is compute-bound and reuses its weights anyway: two copies do.
+            use = len(weights) if rows < 256 else min(2, len(weights))
 
-            def run_onednn(x=x, onednn=onednn) -> None:
-                for w in onednn:
-                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            def run_baseline(x=x, packed=packed[:use]) -> None:
+                for w in packed:
+                    linear.linear(x, w)
 
-            def run_blocked(x=x, blocks=blocks, n=n) -> None:
+            def run_blocked(x=x, blocks=blocks[:use], n=n) -> None:
                 for b in blocks:
                     torch.ops.baton_cpu.blocked_linear(x, b, None, n)
 
-            run_onednn(), run_blocked()  # warm: oneDNN builds its primitive
-            a, b = best_of(run_onednn, 5) / copies, best_of(run_blocked, 5) / copies
+            run_baseline(), run_blocked()  # warm: oneDNN builds its primitive
+            a, b = best_of(run_baseline, 5) / use, best_of(run_blocked, 5) / use
             totals.setdefault(rows, [0.0, 0.0])
             totals[rows][0] += a
             totals[rows][1] += b
-            print(f"    {rows:5} rows: oneDNN {a * 1e6:8.0f}  blocked {b * 1e6:8.0f}  ratio {b / a:.2f}")
+            print(f"    {rows:5} rows: {baseline} {a * 1e6:8.0f}  blocked {b * 1e6:8.0f}  ratio {b / a:.2f}")
     print(
-        "summed over the shapes, blocked / oneDNN time: "
+        f"summed over the shapes, blocked / {baseline} time: "
         + ", ".join(f"{r}: {b / a:.2f}" for r, (a, b) in totals.items())
     )
 

@@ -4,9 +4,10 @@ Each kernel picks its vector width, register tiles and lanes at compile time fro
 -march=native, so the other tests check only the paths of the machine they run on. This
 file builds a second copy of the kernels with AVX-512 switched off (cpu_ops.build_variant,
 registered as torch.ops.baton_cpu_avx2) and checks its decode and prefill attention,
-blocked linear and int8 linear against the same references. Where the native build is
-already the AVX2 one, the file is skipped (the other tests cover it);
-BATON_TEST_AVX2_BUILD=1 runs it anyway. The build takes about a minute on 2 cores.
+blocked linear (float32, and bfloat16 widened to float32) and int8 linear against the same
+references. Where the native build is already the AVX2 one, the file is skipped (the other
+tests cover it); BATON_TEST_AVX2_BUILD=1 runs it anyway. The build takes about a minute on
+2 cores.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def avx2():
 def test_the_second_build_is_the_avx2_one(avx2):
     assert avx2.prefill_attention_max_group() == 8  # a vector's lanes: 16 on AVX-512
     assert avx2.blocked_linear_supported(torch.float32)
-    assert not avx2.blocked_linear_supported(torch.bfloat16)  # AVX512-BF16 only
+    assert avx2.blocked_linear_supported(torch.bfloat16)  # widened to float32 (no AVX512-BF16 build takes it)
     assert avx2.int8_linear_layout() == 1
 
 
@@ -111,6 +112,18 @@ def test_blocked_linear(avx2, rows, num_out, num_in):
     y = avx2.blocked_linear(x, pack_blocks(weight), bias, num_out)
     expected = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# bfloat16: the in-register tiles (1, 2, up to 4 rows) below 16 rows, a float32 copy of each block from 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 25, 121])
+@pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 47), (8, 7), (1024, 512)])
+def test_blocked_linear_bfloat16(avx2, rows, num_out, num_in):
+    weight, bias = _randn(num_out, num_in, seed=0).bfloat16(), _randn(num_out, seed=1).bfloat16()
+    x = _randn(rows, num_in, seed=2).bfloat16()
+    y = avx2.blocked_linear(x, pack_blocks(weight), bias, num_out)
+    assert y.dtype == torch.bfloat16
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(y.double(), expected, atol=2e-2, rtol=1.6e-2)  # one bfloat16 rounding
 
 
 @pytest.mark.parametrize("rows", [*ROWS[:-1], 24, 30])  # from 24 rows a block is widened once per call

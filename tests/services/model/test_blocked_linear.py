@@ -1,7 +1,7 @@
 """The blocked linear (services/model/blocked_linear.py, kernels/csrc/cpu_blocked_linear.cpp),
 float32 and bfloat16: the kernel against F.linear in float64 over every tile height, panel
-boundaries and ragged shapes (odd K for bfloat16's pairs); the layouts' round trip; results
-that do not depend on the thread count; refused inputs."""
+boundaries and ragged shapes (odd K for bfloat16's pairs); bfloat16's rounding of y; the
+layouts' round trip; results that do not depend on the thread count; refused inputs."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ needs_kernel = pytest.mark.skipif(
     not _kernel_runs(), reason="no blocked linear kernel here (neither AVX-512 nor AVX2 with FMA)"
 )
 needs_bf16_kernel = pytest.mark.skipif(
-    not _kernel_runs(torch.bfloat16), reason="no bfloat16 blocked linear here (no AVX512-BF16 build)"
+    not _kernel_runs(torch.bfloat16),
+    reason="no bfloat16 blocked linear here (neither AVX512-BF16 without AMX nor AVX2 without AVX-512)",
 )
 
 
@@ -70,8 +71,13 @@ def test_the_kernel_equals_f_linear(rows, num_out, num_in):
         torch.testing.assert_close(blocked(x, b).double(), _expected(x, weight, b), atol=1e-4, rtol=1e-4)
 
 
+# bfloat16 rows: the AVX-512 tiles' heights as above; on AVX2 the in-register tiles (1, 2, up to
+# 4 rows) below 16 rows and the float32 copy of each block from 16 on
+BF16_ROWS = [1, 2, 3, 4, 5, 6, 7, 12, 13, 15, 16, 25, 121, 250]
+
+
 @needs_bf16_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 12, 13, 25, 121])
+@pytest.mark.parametrize("rows", BF16_ROWS)
 @pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 47), (8, 7), (17, 1), (1024, 512)])
 def test_the_bfloat16_kernel_equals_f_linear(rows, num_out, num_in):
     """float32 sums of exact bfloat16 products, rounded to bfloat16 once: within one bf16 ulp
@@ -85,6 +91,27 @@ def test_the_bfloat16_kernel_equals_f_linear(rows, num_out, num_in):
         torch.testing.assert_close(y.double(), _expected(x, weight, b), atol=2e-2, rtol=1.6e-2)
 
 
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 20])
+@pytest.mark.parametrize("num_in", [24, 23])
+def test_bfloat16_results_round_to_nearest_even_as_torch_does(rows, num_in):
+    """y = x + bias through an identity weight: every product but one is zero, so the float32
+    sum is exact and its rounding to bfloat16 (ties, infinities, NaN) must equal torch's."""
+    num_out = num_in + 1  # one channel past the identity: a partial vector of 8
+    weight = torch.zeros(num_out, num_in)
+    weight[:num_in] = torch.eye(num_in)
+    x = (_randn(rows, num_in, seed=3) * 4).bfloat16()
+    x[0, :2] = 1.0
+    bias = (_randn(num_out, seed=4) * 2.0 ** -torch.randint(0, 12, (num_out,))).bfloat16()
+    bias[:5] = torch.tensor([2**-8, 3 * 2**-8, float("inf"), float("nan"), -float("inf")])
+    y = BlockedWeight.from_dense(weight.bfloat16())(x, bias)
+    expected = F.linear(x.float(), weight, bias.float()).bfloat16()
+    torch.testing.assert_close(y, expected, atol=0, rtol=0, equal_nan=True)
+    # ties: 1 + 2^-8 rounds down to the even 1, 1 + 3 * 2^-8 up to 1 + 2^-6
+    assert y[0, 0] == 1.0 and y[0, 1] == 1.015625
+    assert (y[:, 2] == float("inf")).all() and y[:, 3].isnan().all() and (y[:, 4] == -float("inf")).all()
+
+
 @needs_kernel
 def test_the_kernel_takes_leading_dims_and_strided_rows():
     weight = _randn(96, 40, seed=0)
@@ -96,11 +123,15 @@ def test_the_kernel_takes_leading_dims_and_strided_rows():
     assert blocked(torch.empty(0, 40)).shape == (0, 96)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernel)], ids=["float32", "bfloat16"]
+)
+@pytest.mark.parametrize("rows", [3, 37])
 @needs_kernel
-def test_the_result_does_not_depend_on_the_thread_count():
+def test_the_result_does_not_depend_on_the_thread_count(rows, dtype):
     """Each output is one thread's dot product in k order, whichever thread takes its item:
     a replica that runs with 1 thread or 2, or whose threads are preempted, gives the same bits."""
-    weight, x = _randn(1024, 512, seed=0), _randn(37, 512, seed=1)
+    weight, x = _randn(1024, 512, seed=0).to(dtype), _randn(rows, 512, seed=1).to(dtype)
     blocked = BlockedWeight.from_dense(weight)
     threads = torch.get_num_threads()
     try:
