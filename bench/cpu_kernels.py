@@ -11,9 +11,10 @@ linear   every linear shape of the bench model (and its LM head) at 1-2,048 rows
          without AVX-512), enough copies of each weight (~150 MB) that they are read from
          memory as in a decode step (two from 256 rows, where the multiply is compute-bound);
          best of 5; time ratio blocked / baseline per shape and summed over shapes.
-decode   two engines on the bench model, one with blocked weights, one with oneDNN's packed
-         weights (as before the blocked kernel), alternating; decode step time at batch 1-32
-         (256-token prompts; the time of 48 greedy tokens less that of 1, per token); best of 3.
+decode   two engines on the bench model, one with blocked weights, one with what `linear`
+         runs without them (oneDNN's packed weights, or torch's matmul as above),
+         alternating; decode step time at batch 1-32 (256-token prompts; the time of 48
+         greedy tokens less that of 1, per token); best of 3.
 prefill  causal prefill attention of one prompt (8 query / 4 KV heads of 64, float32) over the
          paged cache: the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
          `prefill_attention_ref` (gather + torch's flash attention), which the CPU ran before.
@@ -54,12 +55,16 @@ def best_of(fn: Callable[[], None], reps: int) -> float:
     return best
 
 
+def _baseline(dtype: torch.dtype) -> str:
+    """What `linear` runs without the blocked kernel: oneDNN's packed GEMM where oneDNN
+    multiplies the dtype natively, else torch's dense matmul (bfloat16 without AVX-512)."""
+    return "oneDNN" if linear.pack_weight_for_cpu(torch.ones(16, 16, dtype=dtype)) is not None else "torch"
+
+
 def bench_linear(dtype: torch.dtype) -> None:
     if not torch.ops.baton_cpu.blocked_linear_supported(dtype):
         raise SystemExit(f"this CPU's build has no blocked linear kernel for {dtype}")
-    # The baseline is what `linear` runs without the blocked kernel: oneDNN's packed GEMM
-    # where oneDNN multiplies the dtype natively, else torch's dense matmul (bfloat16 on AVX2).
-    baseline = "oneDNN" if linear.pack_weight_for_cpu(torch.ones(16, 16, dtype=dtype)) is not None else "torch"
+    baseline = _baseline(dtype)
     totals: dict[int, list[float]] = {}
     print(f"blocked linear vs {baseline}, {dtype}, {torch.get_num_threads()} threads (us per call, best of 5)")
     for n, k in SHAPES:
@@ -138,7 +143,8 @@ def _engine(dtype: str, blocked: bool):
 def bench_decode(dtype: str, rounds: int) -> None:
     from baton.services.engine import SamplingParams
 
-    engines = {"oneDNN": _engine(dtype, blocked=False), "blocked": _engine(dtype, blocked=True)}
+    baseline = _baseline(DTYPES[dtype])
+    engines = {baseline: _engine(dtype, blocked=False), "blocked": _engine(dtype, blocked=True)}
     rng = random.Random(0)
     batches = (1, 2, 4, 8, 16, 32)
     prompts = {b: [[rng.randrange(10, 8000) for _ in range(256)] for _ in range(b)] for b in batches}
@@ -155,8 +161,8 @@ def bench_decode(dtype: str, rounds: int) -> None:
                 times[key] = min(times.get(key, float("inf")), (full - first) / (steps - 1))
     print(f"decode step, bench model, {dtype}, {torch.get_num_threads()} threads, best of {rounds} alternating rounds")
     for batch in batches:
-        a, b = times["oneDNN", batch], times["blocked", batch]
-        print(f"  batch {batch:2}: oneDNN packed {a * 1e3:6.2f} ms, blocked {b * 1e3:6.2f} ms: {b / a:.2f}x")
+        a, b = times[baseline, batch], times["blocked", batch]
+        print(f"  batch {batch:2}: {baseline} {a * 1e3:6.2f} ms, blocked {b * 1e3:6.2f} ms: {b / a:.2f}x")
 
 
 def bench_prefill() -> None:

@@ -378,8 +378,7 @@ void run_item(const WidenedBf16& p, int64_t m0, int64_t m1, int64_t b0, int64_t 
     rows_against_blocks(o, m0, m1, p.w + b0 * block_elems<uint16_t>(p.K), b0 * kBlock, b1 - b0);
     return;
   }
-  // Reused across calls: a fresh vector per item costs more than the widening it saves.
-  thread_local std::vector<float> widened;
+  thread_local std::vector<float> widened;  // kept across calls: no item allocates
   if (static_cast<int64_t>(widened.size()) < ldx * kBlock) widened.resize(ldx * kBlock);
   const Operands<float, uint16_t> o{p.x, ldx, ldx, p.bias, p.y, p.N};
   for (int64_t b = b0; b < b1; ++b) {

@@ -49,8 +49,9 @@ def unpack_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 def uses_blocked_kernel(weight: torch.Tensor, impl: str) -> bool:
     """The blocked kernel for a CPU weight whose dtype this build has it for (float32 on an
-    AVX-512 or AVX2 CPU, bfloat16 where it has AVX512-BF16 but no AMX, whose oneDNN GEMMs are
-    faster), with impl "auto" (where the kernels build) or "cpp"; oneDNN elsewhere (linear.py)."""
+    AVX-512 or AVX2 CPU; bfloat16 where it has AVX512-BF16 but no AMX, whose oneDNN GEMMs are
+    faster, or AVX2 but no AVX-512), with impl "auto" (where the kernels build) or "cpp";
+    oneDNN elsewhere (linear.py)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     if impl not in ("auto", "cpp"):
