@@ -85,8 +85,9 @@ def test_the_torch_backend_keeps_dense_weights_and_both_give_the_same_logits(lla
 
 
 def test_bfloat16_packed_and_dense_give_the_same_logits(llama_dir):
-    """bfloat16 layers (blocks where the CPU has AVX512-BF16 without AMX, oneDNN's layout
-    elsewhere) against plain F.linear: float32 sums of the same bfloat16 products."""
+    """bfloat16 layers (blocks where the CPU has AVX512-BF16 without AMX or AVX2 without
+    AVX-512, oneDNN's layout elsewhere) against plain F.linear: float32 sums of the same
+    bfloat16 products."""
     dense = LLM(model=str(llama_dir), kernel_backend="torch", num_kv_blocks=64, dtype="bfloat16")
     packed = LLM(model=str(llama_dir), kernel_backend="auto", num_kv_blocks=64, dtype="bfloat16")
     dense_model = dense.core.executor.rank.runner.model
