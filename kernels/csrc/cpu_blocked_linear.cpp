@@ -209,6 +209,8 @@ struct Operands {
   int64_t N;
 };
 
+// The two ways are level at 12-16 rows (bench model's layers, this file's AVX2 tiles); in
+// registers takes 0.79x the widened time at 3-4 rows, widened 0.86x in-register's at 32.
 constexpr int64_t kWidenRows = 16;
 
 template <typename W>
