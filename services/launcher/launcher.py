@@ -307,14 +307,19 @@ def _stop_log_monitor(ray) -> None:
     ~0.012 cores of an idle server (docs/benchmarks.md). `ray start` can leave it out
     (--include-log-monitor=false); `ray.init` cannot, so it is stopped once Ray is up. The
     log files stay where they are (ray_logs_dir): each process writes its own."""
-    node = ray._private.worker._global_node  # Ray 2.60: the node ray.init just started
+    node = _local_node(ray)
     if node is not None:
         node.kill_log_monitor(check_alive=False)
 
 
 def _ray_logs_dir(ray) -> Path | None:
-    node = ray._private.worker._global_node  # Ray 2.60: the local node this driver started or joined
+    node = _local_node(ray)
     return Path(node.get_logs_dir_path()) if node is not None else None
+
+
+def _local_node(ray):
+    """The Ray node this driver started or joined (Ray 2.60 keeps it private), or None."""
+    return ray._private.worker._global_node
 
 
 def _serve_log_level(level: str) -> str:

@@ -13,7 +13,6 @@ tests cover it); BATON_TEST_AVX2_BUILD=1 runs it anyway. The build takes about a
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +21,15 @@ from baton.kernels import cpu_ops
 from baton.kernels.reference import paged_decode_attention_ref, prefill_attention_ref
 from baton.services.model.blocked_linear import pack_blocks
 from baton.services.model.int8_linear import int8_linear_ref, pack_int8_blocks, quantize_int8
+from testlib.cpu import cpu_flags
 from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
 
 LIBRARY = "baton_cpu_avx2"
 AVX2_FLAGS = ["-mno-avx512f", "-mno-amx-tile"]  # AVX-512's subsets and AMX depend on these
 
 
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.exists() else ""
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 def _why_skip() -> str | None:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return "this CPU has no AVX2 with FMA to run an AVX2 build on"
     if "avx512f" not in flags and os.environ.get("BATON_TEST_AVX2_BUILD") != "1":
@@ -45,7 +39,8 @@ def _why_skip() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or "")
+SKIP = _why_skip()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,6 @@ error, the block layout and the compressed-tensors int32 packing."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from baton.kernels import cpu_ops
@@ -19,6 +16,7 @@ from baton.services.model.int8_linear import (
     quantize_int8,
     unpack_int8_blocks,
 )
+from testlib.cpu import cpu_flags
 
 needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="Baton's CPU kernels cannot be built here")
 
@@ -44,8 +42,7 @@ def _kernel(weight: torch.Tensor, path: int) -> Int8Weight:
 
 
 def _amx_runs() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if sys.platform.startswith("linux") else ""
-    return " amx_bf16" in flags and " avx512_bf16" in flags
+    return {"amx_bf16", "avx512_bf16"} <= cpu_flags()
 
 
 def _activations_as_the_kernel_rounds_them(x: torch.Tensor, path: int) -> torch.Tensor:
