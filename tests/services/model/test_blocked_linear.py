@@ -91,6 +91,21 @@ def test_the_bfloat16_kernel_equals_f_linear(rows, num_out, num_in):
         torch.testing.assert_close(y.double(), _expected(x, weight, b), atol=2e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernel)], ids=["float32", "bfloat16"]
+)
+@pytest.mark.parametrize("rows", [481, 2100])
+@needs_kernel
+def test_many_panels_take_larger_chunks_of_blocks(rows, dtype):
+    """From 4 panels of 120 rows the work items take larger chunks of blocks (up to 1 MB on
+    AVX2), with a ragged last chunk and panel."""
+    weight, bias = _randn(3000, 512, seed=0).to(dtype), _randn(3000, seed=1).to(dtype)
+    x = _randn(rows, 512, seed=2).to(dtype)
+    y = BlockedWeight.from_dense(weight)(x, bias)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(y.double(), _expected(x, weight, bias), **tol)
+
+
 @needs_bf16_kernel
 @pytest.mark.parametrize("rows", [1, 2, 5, 20])
 @pytest.mark.parametrize("num_in", [24, 23])
