@@ -6,7 +6,8 @@ On the CPU, `process_weights_after_loading` repacks the weights once the checkpo
 float32 weights go into 16-channel blocks for Baton's own kernel where it builds (an AVX-512
 or AVX2 CPU; blocked_linear.py), and so do bfloat16 weights where the CPU has AVX512-BF16 but no
 AMX, or AVX2 but no AVX-512 (the kernel widens them to float32; oneDNN has no bfloat16 GEMM
-there, and torch's matmul took 2-10x the kernel's time on the bench model's shapes). Against oneDNN's packed layout on the bench model's shapes (an AMD EPYC, 2 threads):
+there, and torch's matmul took 2-10x the kernel's time on the bench model's shapes).
+Against oneDNN's packed layout on the bench model's shapes (an AMD EPYC, 2 threads):
 float32 0.58-0.74x its time at 1-8 rows, 0.82-0.88x at 16-32, at par at 64-256, within 5%
 at 2,048 but for the LM head's shape (1.1-1.3x; prompt logprobs only); bfloat16 0.65-0.79x
 at 1-4 rows, 0.89x at 16, at par at 64, 1.07-1.09x at 256-2,048 (a bfloat16 decode step of

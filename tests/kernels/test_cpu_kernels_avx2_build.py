@@ -51,7 +51,7 @@ def avx2():
 def test_the_second_build_is_the_avx2_one(avx2):
     assert avx2.prefill_attention_max_group() == 8  # a vector's lanes: 16 on AVX-512
     assert avx2.blocked_linear_supported(torch.float32)
-    assert avx2.blocked_linear_supported(torch.bfloat16)  # widened to float32 (no AVX512-BF16 build takes it)
+    assert avx2.blocked_linear_supported(torch.bfloat16)  # widened to float32: AVX2 has no bfloat16 math
     assert avx2.int8_linear_layout() == 1
 
 
