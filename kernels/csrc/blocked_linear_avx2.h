@@ -90,16 +90,6 @@ inline void accumulate(const float* x, int64_t ldx, const uint16_t* w, int64_t K
   }
 }
 
-// 8 floats rounded to bfloat16, to nearest even, as torch rounds (a NaN stays a quiet NaN).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: its 4 values, twice
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
 inline void store8(float* y, __m256 v, __m256i mask, int64_t valid) {
   if (valid == 8) {
     _mm256_storeu_ps(y, v);
@@ -107,15 +97,12 @@ inline void store8(float* y, __m256 v, __m256i mask, int64_t valid) {
     _mm256_maskstore_ps(y, mask, v);
   }
 }
+// Rounded as torch rounds (vec_math.h's from_float); once per output, off the k loop.
 inline void store8(uint16_t* y, __m256 v, __m256i, int64_t valid) {
-  const __m128i h = to_bf16(v);
-  if (valid >= 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), h);
-  } else if (valid > 0) {
-    alignas(16) uint16_t tmp[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
-    std::memcpy(y, tmp, valid * sizeof(uint16_t));
-  }
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+#pragma omp simd
+  for (int64_t i = 0; i < valid; ++i) y[i] = baton_cpu::from_float<c10::BFloat16>(f[i]);
 }
 
 // Rows [m0, m0 + kRows) against the kBlocks blocks at w, whose first channel is n0.

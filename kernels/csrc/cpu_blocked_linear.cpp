@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <atomic>
