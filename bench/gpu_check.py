@@ -16,14 +16,16 @@
 3. Prefill attention: causal, bf16, same heads, against torch SDPA on the same shapes with
    contiguous K/V (the fastest of SDPA's flash / cuDNN / memory-efficient backends; K/V
    pre-expanded to all query heads so every backend runs). Goal: >= 0.8x SDPA's TFLOP/s.
+4. The engine's decode step on the bench model, eager against CUDA graphs
+   (bench/gpu_decode_graphs.py; needs the engine test's packages).
 
 The sweeps after each default run try other launch shapes and split counts, so one run on
 a new GPU says whether the defaults need retuning. `--smoke` runs tiny shapes on the CPU
 under the Triton interpreter, to check this script without a GPU.
 
-Needs only torch and Triton (and pytest for step 1); it never imports Ray, which the GPU
-machine does not have. Without an installed `baton`, it links the repository's folders
-into a temporary `baton` package.
+Needs only torch and Triton (pytest for step 1; the engine test's packages for step 4); it
+never imports Ray, which the GPU machine does not have. Without an installed `baton`, it
+links the repository's folders into a temporary `baton` package.
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ def main() -> int:
             summary.append(decode_case(plan, batch, context, peak, is_goal=i == 0))
         for num_seqs, seq_len in plan.prefill_cases:
             summary.append(prefill_case(plan, num_seqs, seq_len))
+        missing = [m for m in ENGINE_TEST_DEPS if importlib.util.find_spec(m) is None]
+        if plan.device != "cuda":
+            summary.append("engine decode step with CUDA graphs: not run (no CUDA)")
+        elif missing:
+            summary.append(f"engine decode step with CUDA graphs: not run (missing {', '.join(missing)})")
+        else:
+            from gpu_decode_graphs import decode_graphs_case
+
+            summary.append(decode_graphs_case())
 
     print("\n== summary ==")
     for line in summary:

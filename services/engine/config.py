@@ -124,6 +124,34 @@ class RunnerConfig(BaseModel):
     peak_memory_tbs: float | None = Field(
         None, gt=0, description="Device peak memory bandwidth in TB/s for MBU (default: known GPUs)"
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="On CUDA, decode-only steps replay a CUDA graph captured for their batch size (padded up to "
+        "the next of 1, 2, 4, 8, 16, 24, 32, ...), which saves the per-kernel launch cost of the step; captured "
+        "at start-up and again after a weight update or sleep moves the weights or the KV cache. Needs the "
+        "Triton kernels and one rank (tensor_parallel_size 1)",
+    )
+    cuda_graph_max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="cuda_graphs: the largest decode batch (rows: requests, plus their drafts when speculating) "
+        "that replays a graph; larger ones run eagerly (default: scheduler.max_num_seqs)",
+    )
+
+    @model_validator(mode="after")
+    def _cuda_graphs(self) -> RunnerConfig:
+        if not self.cuda_graphs:
+            if self.cuda_graph_max_batch_size is not None:
+                raise ValueError("cuda_graph_max_batch_size is set but cuda_graphs is off: set cuda_graphs: true")
+            return self
+        if self.device == "cpu":
+            raise ValueError("cuda_graphs needs a CUDA device; runner.device is 'cpu'")
+        if self.kernel_backend in ("torch", "cpp"):
+            raise ValueError(
+                f"cuda_graphs needs the Triton kernels (kernel_backend auto or triton), not {self.kernel_backend!r}: "
+                "the torch references read tensors back to the host, which a graph cannot capture"
+            )
+        return self
 
 
 class StructuredOutputConfig(BaseModel):

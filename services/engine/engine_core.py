@@ -56,6 +56,9 @@ class EngineCore:
         self.executor = executor or create_executor(config, self.arch)
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.max_model_len = resolve_max_model_len(config, self.arch, self.num_kv_blocks)
+        if config.runner.cuda_graphs:
+            max_model_len = self.max_model_len
+            self.executor.run_on_ranks(lambda rank: rank.capture_decode_graphs(max_model_len))
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len, config.kv_transfer.lease_s
         )

@@ -48,6 +48,12 @@ def check_engine_config(config: EngineConfig, arch: ModelArch) -> None:
             f"max_model_len {config.model.max_model_len} exceeds the model's "
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
+    if config.runner.cuda_graphs:
+        if tp > 1:  # a graph would have to capture the ranks' all-reduces, each in its own process
+            raise ValueError(f"cuda_graphs runs one rank; tensor_parallel_size is {tp}")
+        device = resolve_device(config.runner.device)
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device; runner.device {config.runner.device!r} is {device}")
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArch, num_kv_blocks: int) -> int:

@@ -5,6 +5,7 @@ chunked prefills and prefix-cache hits."""
 from __future__ import annotations
 
 import pytest
+import torch
 from baton.services.engine import LLM, SamplingParams
 
 PROMPTS = [
@@ -41,3 +42,35 @@ def test_greedy_triton_equals_torch(arch, request):
             chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
             ref_chosen = [entry[token].logprob for token, entry in zip(ref.token_ids, ref.logprobs)]
             assert chosen == pytest.approx(ref_chosen, abs=1e-4)
+
+
+# Lengths differ so that the decode batch shrinks through several graph buckets, padded ones
+# among them (7 rows in 8, 3 in 4).
+GRAPH_PROMPTS = ["def foo(x):", "Hello", "The with statement wraps a block", "1 2 3", "a", "import os", "x =", "Yes"]
+GRAPH_PARAMS = [
+    SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (9, 3, 7, 5, 11, 2, 6, 4)
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_generate_what_eager_generates(llama_dir):
+    """engine.runner.cuda_graphs on the GPU: the captured decode steps generate the eager
+    engine's tokens (tests/services/engine/test_decode_graphs.py checks the runner's side on
+    the CPU). The graph's attention splits the context for max_model_len, so the sums may
+    differ in order: logprobs agree to 1e-3."""
+    outputs = []
+    for cuda_graphs in (False, True):
+        llm = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=256, block_size=8, cuda_graphs=cuda_graphs)
+        outputs.append(llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS))
+        graphs = llm.core.executor.rank.runner.graphs
+        if cuda_graphs:
+            assert graphs.num_replays >= 8, "the decode steps should have replayed graphs"
+        else:
+            assert graphs is None
+        llm.shutdown()
+    expected, actual = outputs
+    assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
+    for out, ref in zip(actual, expected):
+        chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
+        ref_chosen = [entry[token].logprob for token, entry in zip(ref.token_ids, ref.logprobs)]
+        assert chosen == pytest.approx(ref_chosen, abs=1e-3)

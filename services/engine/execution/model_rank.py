@@ -118,6 +118,16 @@ class ModelRank:
             return fn(self)
         except Exception as e:  # handed to the driver
             return RankFailure(self.rank, e)
+        finally:
+            if self.runner is not None:
+                self.runner.refresh_decode_graphs()  # fn may have moved weights or the KV cache
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """engine.runner.cuda_graphs: decode steps of up to cuda_graph_max_batch_size rows
+        replay graphs captured now (the engine calls this once it knows max_model_len)."""
+        runner = self.config.runner
+        max_batch_size = runner.cuda_graph_max_batch_size or self.config.scheduler.max_num_seqs
+        self.runner.enable_decode_graphs(max_batch_size, max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -36,7 +36,8 @@ from ...model.parallel import TPGroup
 from ...model.registry import create_model
 from ..api.sampling_params import SamplingParams
 from ..core.scheduler_output import HiddenRows, ModelRunnerOutput, SampledToken, SchedulerOutput
-from ..spec_decode.verify import verify
+from ..spec_decode.verify import sample_and_verify
+from .decode_graphs import Capture, DecodeGraphs, cuda_capture
 from .hidden_rows import HiddenStatesMode, last_rows, verified_rows
 from .prompt_logprobs import PromptSpan, prompt_span, score_prompt_spans
 from .sampler import LogitBias, Sampler, SamplingRow
@@ -103,6 +104,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # this rank's
+        self.graphs: DecodeGraphs | None = None  # engine.runner.cuda_graphs (enable_decode_graphs)
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -126,6 +128,20 @@ class ModelRunner:
         self.kv_caches = []
         release_freed_memory(self.device)  # to the device or the OS, not just to the allocator
 
+    def enable_decode_graphs(self, max_batch_size: int, max_model_len: int, capture: Capture = cuda_capture) -> None:
+        """Decode-only steps replay CUDA graphs from here on, every bucket captured now
+        (decode_graphs.py); `capture` is how (CUDA's, or a stand-in that runs eagerly)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, max_batch_size, max_model_len, self.device, capture
+        )
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
+    def refresh_decode_graphs(self) -> None:
+        """Between steps: graphs captured on weights or a KV cache since moved are dropped."""
+        if self.graphs is not None:
+            self.graphs.refresh(self.kv_caches)
+
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -145,7 +161,12 @@ class ModelRunner:
 
     def _run(self, scheduler_output: SchedulerOutput) -> tuple[dict, dict[str, HiddenRows]]:
         batch = self._prepare_inputs(scheduler_output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if self.graphs is not None and self.graphs.fits(batch.metadata):
+            hidden = self.graphs.forward(batch.input_ids, batch.positions, batch.metadata)
+            if self.hidden_states is not None:  # the heads read them after the next replay may have run
+                hidden = hidden.clone()
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
         if batch.prompt_spans:
             self._score_prompt(hidden, batch.prompt_spans)
         if not batch.sample_request_ids:
@@ -161,8 +182,8 @@ class ModelRunner:
         if not spec:
             sampled = {rid: [token] for rid, token in zip(batch.sample_request_ids, self.sampler(logits, rows))}
         else:
-            sampled = self._sample_and_verify(
-                logits, batch.sample_request_ids, rows, spec, scheduler_output.spec_draft_probs
+            sampled = sample_and_verify(
+                self.sampler, logits, batch.sample_request_ids, rows, spec, scheduler_output.spec_draft_probs
             )
         for rid, entries in prompt_logprobs.items():
             sampled[rid][0].prompt_logprobs = entries
@@ -207,39 +228,6 @@ class ModelRunner:
             if state.prompt_logprobs is not None:
                 taken[rid], state.prompt_logprobs = state.prompt_logprobs, None
         return taken
-
-    def _sample_and_verify(
-        self,
-        logits: torch.Tensor,
-        request_ids: list[str],
-        rows: list[SamplingRow],
-        spec: dict[str, list[int]],
-        draft_probs: dict[str, torch.Tensor],
-    ) -> dict[str, list]:
-        """Requests with drafts go through verification (k + 1 logits rows each), the others
-        through the plain sampler (one row each), so a draft in the batch costs its own
-        request alone."""
-        plain_rows, spec_rows = [], []  # logits row indices
-        plain, speculating = [], []  # positions in request_ids
-        row = 0
-        for i, rid in enumerate(request_ids):
-            n = len(spec.get(rid, ())) + 1
-            if n == 1:
-                plain.append(i)
-                plain_rows.append(row)
-            else:
-                speculating.append(i)
-                spec_rows.extend(range(row, row + n))
-            row += n
-        out: dict[str, list] = {}
-        if plain:
-            tokens = self.sampler(logits[plain_rows], [rows[i] for i in plain])
-            out.update((request_ids[i], [token]) for i, token in zip(plain, tokens))
-        drafts = [spec[request_ids[i]] for i in speculating]
-        probs = [draft_probs.get(request_ids[i]) for i in speculating]
-        verified = verify(self.sampler, logits[spec_rows], [rows[i] for i in speculating], drafts, probs)
-        out.update((request_ids[i], tokens) for i, tokens in zip(speculating, verified))
-        return {rid: out[rid] for rid in request_ids}
 
     def _hand_over(self, so: SchedulerOutput) -> None:
         """Passes the scheduler's transfer decisions to the connector, before the forward pass:

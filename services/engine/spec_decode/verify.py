@@ -103,3 +103,37 @@ def _stack_q(
             parts.append(q[: len(d)].to(device=device, dtype=dtype))
         first += len(d)
     return torch.cat(parts)
+
+
+def sample_and_verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    request_ids: list[str],
+    rows: list[SamplingRow],
+    spec: dict[str, list[int]],
+    draft_probs: dict[str, torch.Tensor],
+) -> dict[str, list]:
+    """A step's tokens when some requests have drafts: those go through verification (k + 1
+    logits rows each), the others through the plain sampler (one row each), so a draft in the
+    batch costs its own request alone."""
+    plain_rows, spec_rows = [], []  # logits row indices
+    plain, speculating = [], []  # positions in request_ids
+    row = 0
+    for i, rid in enumerate(request_ids):
+        n = len(spec.get(rid, ())) + 1
+        if n == 1:
+            plain.append(i)
+            plain_rows.append(row)
+        else:
+            speculating.append(i)
+            spec_rows.extend(range(row, row + n))
+        row += n
+    out: dict[str, list] = {}
+    if plain:
+        tokens = sampler(logits[plain_rows], [rows[i] for i in plain])
+        out.update((request_ids[i], [token]) for i, token in zip(plain, tokens))
+    drafts = [spec[request_ids[i]] for i in speculating]
+    probs = [draft_probs.get(request_ids[i]) for i in speculating]
+    verified = verify(sampler, logits[spec_rows], [rows[i] for i in speculating], drafts, probs)
+    out.update((request_ids[i], tokens) for i, tokens in zip(speculating, verified))
+    return {rid: out[rid] for rid in request_ids}

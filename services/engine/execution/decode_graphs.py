@@ -1,0 +1,147 @@
+"""CUDA graphs for decode-only steps (engine.runner.cuda_graphs).
+
+A decode step launches about ten kernels per layer, each a few microseconds of GPU work, so
+at small batches the host's launch cost sets the step's time, not the GPU. A graph captured
+once per batch size replays the whole forward pass with one launch:
+
+    n decode rows -> bucket b >= n (1, 2, 4, then multiples of 8 up to the largest)
+                  -> the step's inputs copied into the static buffers' rows [:n]
+                  -> rows [n:b] padded: token 0 at position 0, slot -1 (nothing is written to
+                     the KV cache), a context of one token (block table row left as it is:
+                     any block id there is a real block, read and discarded)
+                  -> replay, then rows [:n] of the graph's output
+
+A graph fixes at capture what it reads and writes: the static buffers, the weights and the KV
+cache (their addresses), and the attention kernel's launch, whose split-K count is chosen for
+`max_model_len`, the longest context any request reaches. A weight update or sleep that puts a
+weight or the KV cache in new memory makes every graph stale: `refresh` (called between steps)
+compares the addresses with those captured, drops the graphs if any moved, and each bucket is
+captured again when a step next needs it.
+
+Mixed steps (any prefill chunk) and batches past the largest bucket run eagerly. The sampler
+runs outside the graph: its inputs (grammar masks, penalties, generators) change every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...model.attention import AttentionMetadata
+
+# capture(fn, pool) -> (replay, output): runs fn under capture into the memory pool; replay()
+# runs it again on whatever the static inputs hold now, writing into the same output tensor.
+Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph.replay, output
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, then every multiple of 8, and the largest."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size, 8))
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        device: torch.device,
+        capture: Capture = cuda_capture,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(max_batch_size)
+        self._capture = capture
+        self._pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        rows, max_blocks = self.buckets[-1], -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._addresses = self._current_addresses()
+        self.num_captures = 0  # how many graphs were captured, stale ones included
+        self.num_replays = 0
+
+    def fits(self, metadata: AttentionMetadata) -> bool:
+        """A decode-only step (one query row per entry) no larger than the largest bucket."""
+        return metadata.num_decodes == metadata.num_reqs <= self.buckets[-1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The model's hidden states for this step's rows, from the bucket's graph (captured
+        now if it has none). The result is a view of the graph's output: the next replay
+        overwrites it."""
+        n = metadata.num_reqs
+        bucket = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.seq_lens[:n].copy_(metadata.seq_lens)
+        self.block_tables[:n, : metadata.block_tables.shape[1]].copy_(metadata.block_tables)
+        # Padding rows: stale values from a larger step would write its tokens' K/V again.
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        self.slot_mapping[n:bucket].fill_(-1)
+        self.seq_lens[n:bucket].fill_(1)
+        replay, output = self._graphs.get(bucket) or self._capture_bucket(bucket)
+        replay()
+        self.num_replays += 1
+        return output[:n]
+
+    def capture_all(self) -> None:
+        """Every bucket's graph, largest first (the smaller ones then fit in the memory the
+        largest left in the shared pool)."""
+        self.slot_mapping.fill_(-1)  # no K/V written while capturing
+        self.seq_lens.fill_(1)
+        for bucket in reversed(self.buckets):
+            if bucket not in self._graphs:
+                self._capture_bucket(bucket)
+
+    def refresh(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Between steps: drops every graph if a weight or the KV cache moved since capture.
+        True if they were dropped."""
+        self.kv_caches = kv_caches
+        addresses = self._current_addresses()
+        if addresses == self._addresses:
+            return False
+        self._graphs.clear()
+        self._addresses = addresses
+        return True
+
+    def _capture_bucket(self, bucket: int) -> tuple[Callable[[], None], torch.Tensor]:
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            num_decodes=bucket,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+        def forward() -> torch.Tensor:
+            return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata)
+
+        forward()  # compiles the kernels for these shapes outside the capture
+        self._graphs[bucket] = self._capture(forward, self._pool)
+        self.num_captures += 1
+        return self._graphs[bucket]
+
+    def _current_addresses(self) -> tuple[int, ...]:
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.kv_caches]
+        return tuple(t.data_ptr() for t in tensors)

@@ -1,0 +1,126 @@
+"""engine.runner.cuda_graphs (services/engine/execution/decode_graphs.py).
+
+This machine has no GPU, so these tests replace CUDA's capture with one that runs the same
+closure eagerly on each replay (`eager_capture`): what they check is the runner's side of a
+graph, which is where it goes wrong without a GPU to say so: every input of a step reaches the
+static buffers the graph reads, padding rows write no K/V, a bucket is chosen for each batch
+size, and graphs are dropped when a weight or the KV cache moves. The real capture runs in
+tests/kernels/test_engine_triton.py on a GPU (`make gpu-check`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.config import EngineConfig, RunnerConfig
+from baton.services.engine.engine_setup import check_engine_config
+from baton.services.engine.execution.decode_graphs import batch_buckets
+from baton.services.model.config import load_model_arch
+
+# Lengths differ so that requests finish on different steps: the decode batch shrinks
+# through several buckets (and padding) in one generate call.
+PROMPTS = ["def foo(x):", "Hello", "The with statement wraps a block", "1 2 3 4", "a", "import os", "x = [", "Yes"]
+MAX_TOKENS = [9, 3, 7, 5, 11, 2, 6, 4]
+
+
+def eager_capture(fn, pool):
+    """CUDA's capture, minus the GPU: replay runs fn again on whatever the static buffers hold
+    now and writes the result into the same output tensor, as a graph's replay does."""
+    output = fn()
+    return (lambda: output.copy_(fn())), output
+
+
+def params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in MAX_TOKENS]
+
+
+def make_llm(model_dir) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=8)
+
+
+def with_graphs(llm: LLM, max_batch_size: int):
+    runner = llm.core.executor.rank.runner
+    runner.enable_decode_graphs(max_batch_size, llm.core.max_model_len, capture=eager_capture)
+    return runner.graphs
+
+
+def assert_same_outputs(actual, expected) -> None:
+    assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
+    for out, ref in zip(actual, expected):
+        chosen = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
+        ref_chosen = [entry[t].logprob for t, entry in zip(ref.token_ids, ref.logprobs)]
+        assert chosen == pytest.approx(ref_chosen, abs=1e-4)
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 5], ids=["all-fit", "largest-eager"])
+def test_graphs_generate_what_eager_generates(model_dir, max_batch_size):
+    """Decode steps of 8 down to 1 rows: with max_batch_size 5 the first decode steps (6-8
+    rows) run eagerly and the later ones replay; padded buckets (7 rows in 8, 3 in 4) are
+    among them. The KV caches end equal: padding rows wrote nothing, though the rows they pad
+    held a larger step's slots just before."""
+    eager_llm, graph_llm = make_llm(model_dir), make_llm(model_dir)
+    try:
+        graphs = with_graphs(graph_llm, max_batch_size)
+        assert graphs.num_captures == len(batch_buckets(max_batch_size))
+        expected = eager_llm.generate(PROMPTS, params())
+        actual = graph_llm.generate(PROMPTS, params())
+        assert_same_outputs(actual, expected)
+        # One prefill step, then decode steps of 8, 7, 6, 5, 4, 3, 2, 2, 1, 1 rows.
+        decode_rows = [sum(n - 1 >= step for n in MAX_TOKENS) for step in range(1, max(MAX_TOKENS))]
+        assert graphs.num_replays == sum(rows <= max_batch_size for rows in decode_rows)
+        eager_caches = eager_llm.core.executor.rank.runner.kv_caches
+        graph_caches = graph_llm.core.executor.rank.runner.kv_caches
+        for eager_kv, graph_kv in zip(eager_caches, graph_caches):
+            torch.testing.assert_close(graph_kv, eager_kv, atol=1e-5, rtol=1e-5)
+        graph_llm.core.check_integrity()
+    finally:
+        eager_llm.shutdown()
+        graph_llm.shutdown()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_moved_weights_or_kv_cache_drop_the_graphs(llama_dir, level):
+    """sleep(1) frees the KV cache, sleep(2) the weights too (reloaded by an update): the
+    tensors then live elsewhere, the stale graphs are dropped, and each bucket is captured
+    again when a step needs it."""
+    llm = make_llm(llama_dir)
+    try:
+        graphs = with_graphs(llm, 8)
+        expected = llm.generate(PROMPTS, params())
+        captured = graphs.num_captures
+        llm.sleep(level)
+        llm.wake_up()
+        if level == 2:
+            llm.update_weights_from_disk(str(llama_dir))
+        assert not graphs._graphs, "graphs over freed memory must be dropped"
+        assert_same_outputs(llm.generate(PROMPTS, params()), expected)
+        assert graphs.num_captures > captured
+        again = graphs.num_captures
+        llm.generate(PROMPTS, params())
+        assert graphs.num_captures == again, "nothing moved: the graphs are reused"
+    finally:
+        llm.shutdown()
+
+
+def test_config_refusals(llama_dir):
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; runner.device is 'cpu'"):
+        RunnerConfig(cuda_graphs=True, device="cpu")
+    with pytest.raises(ValueError, match="needs the Triton kernels.*'torch'"):
+        RunnerConfig(cuda_graphs=True, kernel_backend="torch")
+    with pytest.raises(ValueError, match="cuda_graph_max_batch_size is set but cuda_graphs is off"):
+        RunnerConfig(cuda_graph_max_batch_size=16)
+    arch = load_model_arch(str(llama_dir))
+    tp2 = EngineConfig.from_kwargs(model=str(llama_dir), cuda_graphs=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cuda_graphs runs one rank; tensor_parallel_size is 2"):
+        check_engine_config(tp2, arch)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; runner.device 'auto' is cpu"):
+            LLM(model=str(llama_dir), cuda_graphs=True)
