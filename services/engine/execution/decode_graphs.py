@@ -79,8 +79,13 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def fits(self, metadata: AttentionMetadata) -> bool:
-        """A decode-only step (one query row per entry) no larger than the largest bucket."""
-        return metadata.num_decodes == metadata.num_reqs <= self.buckets[-1]
+        """A decode-only step (one query row per entry) no larger than the largest bucket, whose
+        contexts the captured attention covers (a draft's slots may reach past max_model_len)."""
+        return (
+            metadata.num_decodes == metadata.num_reqs <= self.buckets[-1]
+            and metadata.max_seq_len <= self.max_model_len
+            and metadata.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states for this step's rows, from the bucket's graph (captured

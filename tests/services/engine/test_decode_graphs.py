@@ -15,6 +15,7 @@ from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.config import EngineConfig, RunnerConfig
 from baton.services.engine.engine_setup import check_engine_config
 from baton.services.engine.execution.decode_graphs import batch_buckets
+from baton.services.model.attention import AttentionMetadata
 from baton.services.model.config import load_model_arch
 
 # Lengths differ so that requests finish on different steps: the decode batch shrinks
@@ -84,6 +85,32 @@ def test_graphs_generate_what_eager_generates(model_dir, max_batch_size):
     finally:
         eager_llm.shutdown()
         graph_llm.shutdown()
+
+
+def test_steps_the_graphs_do_not_cover_run_eagerly(llama_dir):
+    llm = make_llm(llama_dir)
+    try:
+        graphs = with_graphs(llm, 4)
+        max_blocks = graphs.block_tables.shape[1]
+
+        def metadata(num_reqs: int, num_decodes: int, max_seq_len: int, width: int) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=torch.zeros(num_reqs, dtype=torch.long),
+                query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+                seq_lens=torch.ones(num_reqs, dtype=torch.int32),
+                block_tables=torch.zeros((num_reqs, width), dtype=torch.int32),
+                num_decodes=num_decodes,
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+            )
+
+        assert graphs.fits(metadata(4, 4, graphs.max_model_len, max_blocks))
+        assert not graphs.fits(metadata(5, 5, 10, 2)), "past the largest bucket"
+        assert not graphs.fits(metadata(3, 2, 10, 2)), "a prefill chunk in the step"
+        assert not graphs.fits(metadata(2, 2, graphs.max_model_len + 1, max_blocks)), "past max_model_len"
+        assert not graphs.fits(metadata(2, 2, 10, max_blocks + 1)), "a block table wider than the buffer"
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("level", [1, 2])
