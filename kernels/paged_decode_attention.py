@@ -14,6 +14,11 @@ cannot fill the GPU:
                                                      writes acc / l and lse = m + log2(l)
     reduce   out = sum_s 2^(lse_s - max lse) * partial_s / sum_s 2^(lse_s - max lse)
 
+The split count is one for the launch; each request cuts its own context into that many
+pieces (whole tiles of BLOCK_N), so a short context beside a long one still spreads over the
+programs, and a launch whose count was chosen for the longest possible context (a CUDA graph
+captured for max_model_len) serves every shorter one the same way.
+
 Scores live in the log2 domain (scale * log2(e) folded in) so the kernel uses exp2.
 """
 
@@ -70,6 +75,12 @@ class DecodeTiles:
 
 
 @triton.jit
+def split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of one request's context: its num_splits-th part, in whole tiles."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     key_cache_ptr,
@@ -79,7 +90,7 @@ def _decode_kernel(
     out_ptr,
     lse_ptr,
     scale_log2,
-    tokens_per_split,
+    num_splits,
     stride_qr,
     stride_qh,
     stride_cache_block,
@@ -106,6 +117,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    tokens_per_split = split_tokens(seq_len, num_splits, BLOCK_N)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     if start >= seq_len:
@@ -149,7 +161,7 @@ def _reduce_splits_kernel(
     lse_ptr,
     seq_lens_ptr,
     out_ptr,
-    tokens_per_split,
+    num_splits,
     stride_pr,
     stride_ph,
     stride_ps,
@@ -158,6 +170,7 @@ def _reduce_splits_kernel(
     stride_or,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -165,7 +178,7 @@ def _reduce_splits_kernel(
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_used = tl.cdiv(seq_len, tokens_per_split)
+    num_used = tl.cdiv(seq_len, split_tokens(seq_len, num_splits, BLOCK_N))
     splits = tl.arange(0, BLOCK_S)
     is_used = splits < num_used
     dims = tl.arange(0, HEAD_DIM)
@@ -207,8 +220,8 @@ def paged_decode_attention(
     tiles = tiles or DecodeTiles.default(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), tiles.block_n) * tiles.block_n
-    num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
+    # No split holds fewer than block_n tokens, so the longest context uses at most this many.
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_seq_len, 1), tiles.block_n)))
     is_split = num_splits > 1
 
     if is_split:
@@ -227,7 +240,7 @@ def paged_decode_attention(
         target,
         lse,
         scale * LOG2_E,
-        tokens_per_split,
+        num_splits,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -256,7 +269,7 @@ def paged_decode_attention(
             lse,
             seq_lens,
             out,
-            tokens_per_split,
+            num_splits,
             partial.stride(0),
             partial.stride(1),
             partial.stride(2),
@@ -265,6 +278,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
+            BLOCK_N=tiles.block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             INTERPRETED=is_interpreter(),
         )

@@ -48,6 +48,17 @@ def test_split_k_matches_reference(paged_context, heads_view, check, num_splits,
     run_and_check(paged_context, heads_view, check, seq_lens, 2, 4, 64, 16, dtype, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [None, 5], ids=lambda s: f"splits{s}")
+def test_max_seq_len_past_every_context(monkeypatch, paged_context, heads_view, check, num_splits):
+    """A CUDA graph's launch: max_seq_len is max_model_len, far past these contexts (the
+    heuristic then picks 27 splits on 132 SMs). Each request cuts its own context into the
+    splits, the short ones included."""
+    monkeypatch.setattr(decode_module, "_num_sms", lambda device: 132)
+    seq_lens = [1, 64, 130, 333, 600]
+    kw = dict(num_splits=num_splits, max_seq_len=8192)
+    run_and_check(paged_context, heads_view, check, seq_lens, 2, 4, 64, 16, torch.float32, **kw)
+
+
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize(
     "head_dim, group, num_kv_heads, block_size", OTHER_ATTENTION_SHAPES, ids=OTHER_ATTENTION_SHAPE_IDS

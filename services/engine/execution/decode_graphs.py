@@ -24,6 +24,7 @@ runs outside the graph: its inputs (grammar masks, penalties, generators) change
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +38,17 @@ Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], 
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    # One run first, on a side stream as torch asks: it compiles the kernels for these shapes
+    # and sets up per-stream library state (cuBLAS) outside the capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the replica's other threads (the KV connector's, the event loop's) may
+    # call CUDA while this one captures; only this thread's calls must be capturable.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn()
     return graph.replay, output
 
@@ -74,7 +84,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
-        self._addresses = self._current_addresses()
+        self._addresses = self._addresses_of(kv_caches)
         self.num_captures = 0  # how many graphs were captured, stale ones included
         self.num_replays = 0
 
@@ -120,13 +130,19 @@ class DecodeGraphs:
     def refresh(self, kv_caches: list[torch.Tensor]) -> bool:
         """Between steps: drops every graph if a weight or the KV cache moved since capture.
         True if they were dropped."""
-        self.kv_caches = kv_caches
-        addresses = self._current_addresses()
-        if addresses == self._addresses:
-            return False
+        addresses = self._addresses_of(kv_caches)
+        changed = addresses != self._addresses
+        if changed:
+            self.drop()
+        self.kv_caches, self._addresses = kv_caches, addresses
+        return changed
+
+    def drop(self) -> None:
+        """Lets go of every graph (and so of their memory pool) and of the KV cache, before
+        sleep frees it."""
         self._graphs.clear()
-        self._addresses = addresses
-        return True
+        self.kv_caches = []
+        self._addresses = ()
 
     def _capture_bucket(self, bucket: int) -> tuple[Callable[[], None], torch.Tensor]:
         metadata = AttentionMetadata(
@@ -142,11 +158,23 @@ class DecodeGraphs:
         def forward() -> torch.Tensor:
             return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata)
 
-        forward()  # compiles the kernels for these shapes outside the capture
         self._graphs[bucket] = self._capture(forward, self._pool)
         self.num_captures += 1
         return self._graphs[bucket]
 
-    def _current_addresses(self) -> tuple[int, ...]:
-        tensors = [*self.model.parameters(), *self.model.buffers(), *self.kv_caches]
-        return tuple(t.data_ptr() for t in tensors)
+    def _addresses_of(self, kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (*_module_tensors(self.model), *kv_caches))
+
+
+def _module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the forward pass reads: parameters and buffers, and the tensors that
+    modules hold as plain attributes or inside a dataclass attribute (an int8 weight's scales)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                fields = (getattr(value, f.name) for f in dataclasses.fields(value))
+                tensors.extend(v for v in fields if isinstance(v, torch.Tensor))
+    return tensors

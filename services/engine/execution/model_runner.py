@@ -125,6 +125,8 @@ class ModelRunner:
         (and hands them to the connector). The connector lets go of them too, or nothing is freed."""
         if self.connector is not None:
             self.connector.release_kv_caches()
+        if self.graphs is not None:
+            self.graphs.drop()
         self.kv_caches = []
         release_freed_memory(self.device)  # to the device or the OS, not just to the allocator
 
@@ -138,9 +140,10 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def refresh_decode_graphs(self) -> None:
-        """Between steps: graphs captured on weights or a KV cache since moved are dropped."""
-        if self.graphs is not None:
-            self.graphs.refresh(self.kv_caches)
+        """Between steps: graphs captured on weights or a KV cache since moved are dropped,
+        and their memory given back (sleep frees the weights this way)."""
+        if self.graphs is not None and self.graphs.refresh(self.kv_caches):
+            release_freed_memory(self.device)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -9,12 +9,14 @@ tests/kernels/test_engine_triton.py on a GPU (`make gpu-check`)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.config import EngineConfig, RunnerConfig
 from baton.services.engine.engine_setup import check_engine_config
-from baton.services.engine.execution.decode_graphs import batch_buckets
+from baton.services.engine.execution.decode_graphs import _module_tensors, batch_buckets
 from baton.services.model.attention import AttentionMetadata
 from baton.services.model.config import load_model_arch
 
@@ -133,6 +135,37 @@ def test_moved_weights_or_kv_cache_drop_the_graphs(llama_dir, level):
         again = graphs.num_captures
         llm.generate(PROMPTS, params())
         assert graphs.num_captures == again, "nothing moved: the graphs are reused"
+    finally:
+        llm.shutdown()
+
+
+def test_int8_scales_are_watched(llama_dir):
+    """An int8 weight's scales are a plain tensor inside a dataclass, not a parameter: new
+    scales in new memory (an update) must drop the graphs too."""
+    llm = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=8, quantization="int8")
+    try:
+        graphs = with_graphs(llm, 4)
+        model = llm.core.executor.rank.runner.model
+        int8 = [m.int8 for m in model.modules() if getattr(m, "int8", None) is not None]
+        assert int8
+        watched = {t.data_ptr() for t in _module_tensors(model)}
+        assert all(w.scale.data_ptr() in watched for w in int8)
+        assert not graphs.refresh(llm.core.executor.rank.runner.kv_caches)
+        int8[0].scale = int8[0].scale.clone()
+        assert graphs.refresh(llm.core.executor.rank.runner.kv_caches)
+    finally:
+        llm.shutdown()
+
+
+def test_sleep_lets_go_of_the_kv_cache(llama_dir):
+    llm = make_llm(llama_dir)
+    try:
+        graphs = with_graphs(llm, 4)
+        kv = llm.core.executor.rank.runner.kv_caches[0]
+        llm.sleep(1)
+        assert not graphs._graphs and not graphs.kv_caches, "the graphs would keep the freed cache alive"
+        assert sys.getrefcount(kv) == 2, "only this test's reference to the old cache is left"
+        llm.wake_up()
     finally:
         llm.shutdown()
 
