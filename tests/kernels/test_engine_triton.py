@@ -74,3 +74,23 @@ def test_cuda_graphs_generate_what_eager_generates(llama_dir):
         chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
         ref_chosen = [entry[token].logprob for token, entry in zip(ref.token_ids, ref.logprobs)]
         assert chosen == pytest.approx(ref_chosen, abs=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_let_sleep_free_the_kv_cache(llama_dir):
+    """sleep(1) gives the KV cache's memory back to the device although graphs were captured
+    over it, and after wake_up the graphs are captured again over the new cache."""
+    llm = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=8192, block_size=8, cuda_graphs=True)
+    try:
+        expected = llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS)
+        runner = llm.core.executor.rank.runner
+        kv_bytes, reserved = runner.kv_cache_bytes, torch.cuda.memory_reserved()
+        captures = runner.graphs.num_captures
+        llm.sleep(1)
+        assert torch.cuda.memory_reserved() <= reserved - 0.9 * kv_bytes
+        llm.wake_up()
+        actual = llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS)
+        assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
+        assert runner.graphs.num_captures > captures
+    finally:
+        llm.shutdown()

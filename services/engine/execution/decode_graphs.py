@@ -13,7 +13,8 @@ once per batch size replays the whole forward pass with one launch:
 
 A graph fixes at capture what it reads and writes: the static buffers, the weights and the KV
 cache (their addresses), and the attention kernel's launch, whose split-K count is chosen for
-`max_model_len`, the longest context any request reaches. A weight update or sleep that puts a
+`max_model_len`, the longest context any request reaches (each request cuts its own context
+into that many splits, kernels/paged_decode_attention.py). A weight update or sleep that puts a
 weight or the KV cache in new memory makes every graph stale: `refresh` (called between steps)
 compares the addresses with those captured, drops the graphs if any moved, and each bucket is
 captured again when a step next needs it.
