@@ -68,8 +68,11 @@ def config():
             },
             "prefill": {
                 "ray_actor_options": {"num_cpus": 0.25},
-                # a prompt queue of ~0.1 s of measured prefill work wants a second replica
-                "autoscaling": autoscaling(ttft_target_s=0.1, prefill_tokens_per_s=2000.0),
+                # a second replica once the queued prompts are ~20 ms of the replica's measured
+                # prefill work: the burst's queue holds several times that on any CPU. At 0.1 s a
+                # fast one (a Zen 4, ~1,300 tokens queued) sat at the threshold, and the policy
+                # asked for 2, then 1, then 2 (each second replica stopped while it started)
+                "autoscaling": autoscaling(ttft_target_s=0.02, prefill_tokens_per_s=2000.0),
             },
             "decode": {
                 "ray_actor_options": {"num_cpus": 0.25},

@@ -25,15 +25,17 @@ pytestmark = pytest.mark.ray
 PROMPTS = [f"def handler_{i}(request, context):" for i in range(8)]
 LONG_PROMPTS = [f"Request {i}: " + "the with statement wraps a block of code. " * 20 for i in range(8)]
 MAX_TOKENS = 160  # long enough that every stream is still running when the kill lands
-LONG_OUTPUT = 400  # the scale-down test's streams: they outlast the replica's drain budget
+# The scale-down test's streams outlast the replica's drain budget (GRACE_PERIOD_S) on a
+# fast CPU too: 400 tokens took under 2 s on a Zen 4.
+LONG_OUTPUT = 1600
 GRACE_PERIOD_S = 2.0
 
 
 OVERRIDES = {
     "mode": "disaggregated",
     "engine": {
-        "model": {"max_model_len": 512},
-        "cache": {"num_kv_blocks": 256},
+        "model": {"max_model_len": 2048},
+        "cache": {"num_kv_blocks": 1024},
         "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 32},  # long prompts take many steps
         "kv_transfer": {"timeout_s": 2.0, "lease_s": 5.0},
     },
@@ -57,7 +59,7 @@ def client(deployment):
 
 @pytest.fixture(scope="module")
 def offline():
-    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=256, max_model_len=512)
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=1024, max_model_len=2048)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     prompts = PROMPTS + LONG_PROMPTS
     outputs = llm.generate(prompts, params)
@@ -274,7 +276,7 @@ def test_constrained_streams_migrate_by_replaying_their_tokens(deployment, clien
     from baton.services.engine.api.sampling_params import StructuredOutputKind, StructuredOutputParams
     from ray import serve
 
-    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=256, max_model_len=512)
+    llm = LLM(model=str(tiny_model("llama")), num_kv_blocks=1024, max_model_len=2048)
     constraint = StructuredOutputParams(StructuredOutputKind.JSON, json.dumps(SCHEMA))
     params = SamplingParams(max_tokens=200, temperature=0, structured_output=constraint)
     expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}

@@ -214,6 +214,12 @@ def test_deadline_is_honoured_and_frees_blocks(client):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def timed(fn) -> float:
+    start = time.monotonic()
+    fn()
+    return time.monotonic() - start
+
+
 def test_cancels_and_deadlines_count_as_cancelled_not_as_errors(baton_app, client):
     counted = {"finish_reason": "cancelled", "api": "grpc"}
     before = counter_value(baton_app.metrics_address, "baton_requests_total", **counted)
@@ -223,17 +229,23 @@ def test_cancels_and_deadlines_count_as_cancelled_not_as_errors(baton_app, clien
     stream.cancel()
     after_cancel = wait_for_counter(baton_app.metrics_address, "baton_requests_total", before + 1, **counted)
     assert after_cancel >= before + 1, "a client's cancel was not counted as cancelled"
-    # A deadline can pass before the proxy hands the request on (then the gateway never saw
-    # it, and counts nothing): longer deadlines are tried until the gateway saw one.
-    for timeout in (0.3, 0.5, 0.7):  # 230 tokens take about 1.1 s here, idle
+    # The deadline must pass mid-stream: after a token came (so the gateway had the request;
+    # one that passes before the request is handed on is counted nowhere), before the last.
+    # Fractions of this machine's time for the whole stream, until one lands there.
+    request = greedy_request("a long story", max_tokens=230)
+    whole_s = min(timed(lambda: collect(client, request)) for _ in range(2))
+    for fraction in (0.5, 0.3, 0.7):
+        received = 0
         with pytest.raises(grpc.RpcError) as info:
-            collect(client, greedy_request("a long story", max_tokens=230), timeout=timeout)
+            for _ in client.generate(request, timeout=fraction * whole_s):
+                received += 1
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        after = wait_for_counter(baton_app.metrics_address, "baton_requests_total", after_cancel + 1, 10, **counted)
-        if after > after_cancel:
+        if received:
             break
+    assert received, f"no deadline passed after a token came (the whole stream takes {whole_s:.2f} s)"
+    after = wait_for_counter(baton_app.metrics_address, "baton_requests_total", after_cancel + 1, 10, **counted)
     print(f"\nbaton_requests_total{{finish_reason=cancelled,api=grpc}}: {before} -> {after}")
-    assert after >= before + 2, "no passed deadline was counted as cancelled"
+    assert after >= before + 2, "a deadline passed mid-stream was not counted as cancelled"
     assert counter_value(baton_app.metrics_address, "baton_requests_total", finish_reason="error:INTERNAL") == internal
     wait_for_free_blocks()
 
