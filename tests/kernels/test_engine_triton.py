@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
+from testlib.greedy_outputs import SHRINKING_PROMPTS, assert_same_greedy, shrinking_params
 
 PROMPTS = [
     "def foo(x):",
@@ -37,19 +38,7 @@ def test_greedy_triton_equals_torch(arch, request):
     actual = generate(model_dir, "triton")
     assert actual[1][2].num_cached_tokens > 0, "the second round should hit the prefix cache"
     for expected_round, actual_round in zip(expected, actual):
-        assert [o.token_ids for o in actual_round] == [o.token_ids for o in expected_round]
-        for out, ref in zip(actual_round, expected_round):
-            chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
-            ref_chosen = [entry[token].logprob for token, entry in zip(ref.token_ids, ref.logprobs)]
-            assert chosen == pytest.approx(ref_chosen, abs=1e-4)
-
-
-# Lengths differ so that the decode batch shrinks through several graph buckets, padded ones
-# among them (7 rows in 8, 3 in 4).
-GRAPH_PROMPTS = ["def foo(x):", "Hello", "The with statement wraps a block", "1 2 3", "a", "import os", "x =", "Yes"]
-GRAPH_PARAMS = [
-    SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (9, 3, 7, 5, 11, 2, 6, 4)
-]
+        assert_same_greedy(actual_round, expected_round, 1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -61,7 +50,7 @@ def test_cuda_graphs_generate_what_eager_generates(llama_dir):
     outputs = []
     for cuda_graphs in (False, True):
         llm = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=256, block_size=8, cuda_graphs=cuda_graphs)
-        outputs.append(llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS))
+        outputs.append(llm.generate(SHRINKING_PROMPTS, shrinking_params()))
         graphs = llm.core.executor.rank.runner.graphs
         if cuda_graphs:
             assert graphs.num_replays >= 8, "the decode steps should have replayed graphs"
@@ -69,11 +58,7 @@ def test_cuda_graphs_generate_what_eager_generates(llama_dir):
             assert graphs is None
         llm.shutdown()
     expected, actual = outputs
-    assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
-    for out, ref in zip(actual, expected):
-        chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
-        ref_chosen = [entry[token].logprob for token, entry in zip(ref.token_ids, ref.logprobs)]
-        assert chosen == pytest.approx(ref_chosen, abs=1e-3)
+    assert_same_greedy(actual, expected, 1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -82,14 +67,14 @@ def test_cuda_graphs_let_sleep_free_the_kv_cache(llama_dir):
     over it, and after wake_up the graphs are captured again over the new cache."""
     llm = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=8192, block_size=8, cuda_graphs=True)
     try:
-        expected = llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS)
+        expected = llm.generate(SHRINKING_PROMPTS, shrinking_params())
         runner = llm.core.executor.rank.runner
         kv_bytes, reserved = runner.kv_cache_bytes, torch.cuda.memory_reserved()
         captures = runner.graphs.num_captures
         llm.sleep(1)
         assert torch.cuda.memory_reserved() <= reserved - 0.9 * kv_bytes
         llm.wake_up()
-        actual = llm.generate(GRAPH_PROMPTS, GRAPH_PARAMS)
+        actual = llm.generate(SHRINKING_PROMPTS, shrinking_params())
         assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
         assert runner.graphs.num_captures > captures
     finally:

@@ -13,17 +13,13 @@ import sys
 
 import pytest
 import torch
-from baton.services.engine import LLM, SamplingParams
+from baton.services.engine import LLM
 from baton.services.engine.config import EngineConfig, RunnerConfig
 from baton.services.engine.engine_setup import check_engine_config
 from baton.services.engine.execution.decode_graphs import _module_tensors, batch_buckets
 from baton.services.model.attention import AttentionMetadata
 from baton.services.model.config import load_model_arch
-
-# Lengths differ so that requests finish on different steps: the decode batch shrinks
-# through several buckets (and padding) in one generate call.
-PROMPTS = ["def foo(x):", "Hello", "The with statement wraps a block", "1 2 3 4", "a", "import os", "x = [", "Yes"]
-MAX_TOKENS = [9, 3, 7, 5, 11, 2, 6, 4]
+from testlib.greedy_outputs import SHRINKING_MAX_TOKENS, SHRINKING_PROMPTS, assert_same_greedy, shrinking_params
 
 
 def eager_capture(fn, pool):
@@ -31,10 +27,6 @@ def eager_capture(fn, pool):
     now and writes the result into the same output tensor, as a graph's replay does."""
     output = fn()
     return (lambda: output.copy_(fn())), output
-
-
-def params() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in MAX_TOKENS]
 
 
 def make_llm(model_dir) -> LLM:
@@ -45,14 +37,6 @@ def with_graphs(llm: LLM, max_batch_size: int):
     runner = llm.core.executor.rank.runner
     runner.enable_decode_graphs(max_batch_size, llm.core.max_model_len, capture=eager_capture)
     return runner.graphs
-
-
-def assert_same_outputs(actual, expected) -> None:
-    assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
-    for out, ref in zip(actual, expected):
-        chosen = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
-        ref_chosen = [entry[t].logprob for t, entry in zip(ref.token_ids, ref.logprobs)]
-        assert chosen == pytest.approx(ref_chosen, abs=1e-4)
 
 
 def test_buckets():
@@ -73,11 +57,11 @@ def test_graphs_generate_what_eager_generates(model_dir, max_batch_size):
     try:
         graphs = with_graphs(graph_llm, max_batch_size)
         assert graphs.num_captures == len(batch_buckets(max_batch_size))
-        expected = eager_llm.generate(PROMPTS, params())
-        actual = graph_llm.generate(PROMPTS, params())
-        assert_same_outputs(actual, expected)
+        expected = eager_llm.generate(SHRINKING_PROMPTS, shrinking_params())
+        actual = graph_llm.generate(SHRINKING_PROMPTS, shrinking_params())
+        assert_same_greedy(actual, expected, 1e-4)
         # One prefill step, then decode steps of 8, 7, 6, 5, 4, 3, 2, 2, 1, 1 rows.
-        decode_rows = [sum(n - 1 >= step for n in MAX_TOKENS) for step in range(1, max(MAX_TOKENS))]
+        decode_rows = [sum(n - 1 >= step for n in SHRINKING_MAX_TOKENS) for step in range(1, max(SHRINKING_MAX_TOKENS))]
         assert graphs.num_replays == sum(rows <= max_batch_size for rows in decode_rows)
         eager_caches = eager_llm.core.executor.rank.runner.kv_caches
         graph_caches = graph_llm.core.executor.rank.runner.kv_caches
@@ -123,17 +107,17 @@ def test_moved_weights_or_kv_cache_drop_the_graphs(llama_dir, level):
     llm = make_llm(llama_dir)
     try:
         graphs = with_graphs(llm, 8)
-        expected = llm.generate(PROMPTS, params())
+        expected = llm.generate(SHRINKING_PROMPTS, shrinking_params())
         captured = graphs.num_captures
         llm.sleep(level)
         llm.wake_up()
         if level == 2:
             llm.update_weights_from_disk(str(llama_dir))
         assert not graphs._graphs, "graphs over freed memory must be dropped"
-        assert_same_outputs(llm.generate(PROMPTS, params()), expected)
+        assert_same_greedy(llm.generate(SHRINKING_PROMPTS, shrinking_params()), expected, 1e-4)
         assert graphs.num_captures > captured
         again = graphs.num_captures
-        llm.generate(PROMPTS, params())
+        llm.generate(SHRINKING_PROMPTS, shrinking_params())
         assert graphs.num_captures == again, "nothing moved: the graphs are reused"
     finally:
         llm.shutdown()
