@@ -7,7 +7,7 @@
 // them. Threads take tasks from a shared counter, so requests of very different lengths
 // still keep both cores busy, and a batch of one request still splits across its KV heads.
 // Blocks sit anywhere in the cache, where the hardware prefetcher does not follow, so the
-// next block's rows are prefetched while this one is computed. Each query head keeps an
+// next block's rows are prefetched into L2 while this one is computed. Each query head keeps an
 // online softmax (running max, running sum, weighted values) in float32, whatever the
 // cache dtype.
 //
@@ -20,7 +20,8 @@
 // the bench model's shape (64 requests, 8 query / 4 KV heads of 64, contexts 16-780) that
 // path took 2.0 ms per layer in float32 and 1.5 ms in bfloat16 where a per-head scalar
 // loop took 2.5 and 1.8 (2 threads), bounded by the cache's bytes in float32. Other head
-// sizes run the scalar loop (`decode_scalar`).
+// sizes run the scalar loop (`decode_scalar`). bfloat16 on CPUs with AVX512-BF16 multiplies
+// the cache's rows without widening them (decode_attention_bf16.h).
 //
 // Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension) and registered as
 // torch.ops.baton_cpu.paged_decode_attention.
@@ -43,6 +44,10 @@
 
 #include "vec_math.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // One block of the online softmax for one query head: turns the block's n scores s into
@@ -61,6 +66,24 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
   run_max = new_max;
   run_sum = run_sum * correction + sum;
   return correction;
+}
+
+// Prefetches one head's rows of a block of K and V: one prefetch per 128 B (the CPU fetches
+// line pairs), into L2. Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took 1.16x the time
+// with the cache in L3 and 1.21x with it in memory on Zen 4 (bench/decode_attention.py).
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* k, const scalar_t* v, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+#ifndef BATON_PREFETCH_LOCALITY
+#define BATON_PREFETCH_LOCALITY 1
+#endif
+  for (int64_t t = 0; t < rows; ++t) {
+    const char* nk = reinterpret_cast<const char*>(k + t * row_stride);
+    const char* nv = reinterpret_cast<const char*>(v + t * row_stride);
+    for (int64_t off = 0; off < row_bytes; off += 128) {
+      __builtin_prefetch(nk + off, 0, BATON_PREFETCH_LOCALITY);
+      __builtin_prefetch(nv + off, 0, BATON_PREFETCH_LOCALITY);
+    }
+  }
 }
 
 // ---- the vector path ----
@@ -156,15 +179,8 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
     const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
     if (first + block_size < len) {
       const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_stride + h * D;
-      const int64_t rows = std::min(block_size, len - first - block_size);
-      for (int64_t t = 0; t < rows; ++t) {  // one prefetch per 128 B: the CPU fetches line pairs
-        const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
-        const char* nv = reinterpret_cast<const char*>(v_cache + next + t * row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 128) {
-          __builtin_prefetch(nk + off);
-          __builtin_prefetch(nv + off);
-        }
-      }
+      prefetch_rows(k_cache + next, v_cache + next, std::min(block_size, len - first - block_size), row_stride,
+                    row_bytes);
     }
     // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
     for (int64_t t = 0; t < n; ++t) {
@@ -213,6 +229,13 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
   }
 }
 
+#if defined(__AVX512BF16__)
+#include "decode_attention_bf16.h"
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // attend_heads for c (1 <= c <= C) heads, C fixed at compile time
 template <typename scalar_t, int D, int C, typename... Args>
 void attend_chunk(int64_t c, Args... args) {
@@ -247,15 +270,25 @@ void decode_vector(const at::Tensor& query, const at::Tensor& key_cache, const a
     const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
     std::vector<float> qf(group * D), res(group * D), scores(kChunk * padded);
     std::vector<vfloat> dots(kChunk * padded);
+    std::vector<uint16_t> probs(kChunk * padded);  // the bfloat16 dot path's weights
     for (int64_t task = next_task.fetch_add(1); task < num_tasks; task = next_task.fetch_add(1)) {
       const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
       const int32_t* table = tables + r * max_blocks;
       const scalar_t* qr = q + (r * num_heads + h * group) * D;
-      for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * fscale;
-      for (int64_t g = 0; g < group; g += kChunk) {
-        attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, k_cache, v_cache,
-                                          table, static_cast<int64_t>(lens[r]), block_size, block_stride, row_stride, h,
-                                          dots.data(), scores.data(), res.data() + g * D);
+      const int64_t len = lens[r];
+      if constexpr (kBf16Dot && std::is_same_v<scalar_t, at::BFloat16>) {
+        for (int64_t g = 0; g < group; g += kChunk) {
+          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, fscale, k_cache,
+                                            v_cache, table, len, block_size, block_stride, row_stride, h, dots.data(),
+                                            scores.data(), probs.data(), res.data() + g * D);
+        }
+      } else {
+        for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * fscale;
+        for (int64_t g = 0; g < group; g += kChunk) {
+          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, k_cache,
+                                            v_cache, table, len, block_size, block_stride, row_stride, h, dots.data(),
+                                            scores.data(), res.data() + g * D);
+        }
       }
       scalar_t* orow = o + (r * num_heads + h * group) * D;
       for (int64_t i = 0; i < group * D; ++i) orow[i] = static_cast<scalar_t>(res[i]);
@@ -263,91 +296,7 @@ void decode_vector(const at::Tensor& query, const at::Tensor& key_cache, const a
   });
 }
 
-// ---- the scalar loop, for head sizes without a vector path: one task per request ----
-template <typename scalar_t>
-void decode_scalar(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t num_reqs = query.size(0), num_heads = query.size(1);
-  const int64_t D = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t row_stride = num_kv_heads * D;  // one token's K (or V), every KV head
-  const int64_t block_stride = block_size * row_stride;
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * D), acc(num_heads * D), run_max(num_heads), run_sum(num_heads);
-    std::vector<float> scores(num_heads * block_size);  // this block's, then its softmax weights
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = lens[r];
-      const int32_t* table = tables + r * max_blocks;
-      for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[r * num_heads * D + i]) * fscale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
-        const int64_t n = std::min(block_size, len - first);
-        const int64_t base = static_cast<int64_t>(table[blk]) * block_stride;
-        if (first + block_size < len) {
-          const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_stride;
-          const int64_t bytes =
-              std::min(block_size, len - first - block_size) * row_stride * static_cast<int64_t>(sizeof(scalar_t));
-          const char* next_k = reinterpret_cast<const char*>(k_cache + next);
-          const char* next_v = reinterpret_cast<const char*>(v_cache + next);
-          for (int64_t offset = 0; offset < bytes; offset += 64) {
-            __builtin_prefetch(next_k + offset);
-            __builtin_prefetch(next_v + offset);
-          }
-        }
-        // scores[hq * block_size + t] = q_hq . k_t
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* k_row = k_cache + base + t * row_stride;
-          for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
-            const scalar_t* __restrict__ k = k_row + h * D;
-            for (int64_t g = 0; g < group; ++g, ++hq) {
-              const float* __restrict__ qh = qf.data() + hq * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(k[d]);
-              scores[hq * block_size + t] = dot;
-            }
-          }
-        }
-        // online softmax: rescale what came before to the new running max
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          const float correction = softmax_block(scores.data() + hq * block_size, n, run_max[hq], run_sum[hq]);
-          float* __restrict__ a = acc.data() + hq * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-        }
-        // acc_hq += sum_t p_hq,t v_t
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* v_row = v_cache + base + t * row_stride;
-          for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
-            const scalar_t* __restrict__ v = v_row + h * D;
-            for (int64_t g = 0; g < group; ++g, ++hq) {
-              const float p = scores[hq * block_size + t];
-              float* __restrict__ a = acc.data() + hq * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
-            }
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[(r * num_heads + hq) * D + d] = static_cast<scalar_t>(acc[hq * D + d] * inv);
-      }
-    }
-  });
-}
+#include "decode_attention_scalar.h"
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,

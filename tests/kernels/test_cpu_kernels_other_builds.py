@@ -1,13 +1,20 @@
-"""The CPU kernels' AVX2 paths on machines whose native build takes the AVX-512 ones.
+"""The CPU kernels' paths that the native build here does not take, in second builds.
 
 Each kernel picks its vector width, register tiles and lanes at compile time from
 -march=native, so the other tests check only the paths of the machine they run on. This
-file builds a second copy of the kernels with AVX-512 switched off (cpu_ops.build_variant,
-registered as torch.ops.baton_cpu_avx2) and checks its decode and prefill attention,
-blocked linear (float32, and bfloat16 widened to float32) and int8 linear against the same
-references. Where the native build is already the AVX2 one, the file is skipped (the other
-tests cover it); BATON_TEST_AVX2_BUILD=1 runs it anyway. The build takes about a minute on
-2 cores.
+file builds the kernels again with parts of the instruction set switched off
+(cpu_ops.build_variant) and checks their decode and prefill attention, blocked linear
+(float32, and bfloat16 where the build has a kernel for it) and int8 linear against the
+same references:
+
+avx2            -mno-avx512f: the AVX2 paths (8 lanes; bfloat16 widened to float32), on
+                machines with AVX-512. Where the native build is already the AVX2 one it is
+                skipped (the other tests cover it); BATON_TEST_AVX2_BUILD=1 runs it anyway.
+avx512-no-bf16  -mno-avx512bf16: AVX-512 without its bfloat16 dot product (bfloat16 widened
+                to float32 in 16 lanes), on machines with AVX512-BF16, whose native build
+                multiplies bfloat16 with it.
+
+Each build takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,45 +31,52 @@ from baton.services.model.int8_linear import int8_linear_ref, pack_int8_blocks, 
 from testlib.cpu import cpu_flags
 from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
 
-LIBRARY = "baton_cpu_avx2"
-AVX2_FLAGS = ["-mno-avx512f", "-mno-amx-tile"]  # AVX-512's subsets and AMX depend on these
+# AVX-512's subsets and AMX depend on avx512f
+BUILD_FLAGS = {"avx2": ["-mno-avx512f", "-mno-amx-tile"], "avx512-no-bf16": ["-mno-avx512bf16", "-mno-amx-tile"]}
 
 
-def _why_skip() -> str | None:
+def _why_skip(build: str) -> str | None:
     flags = cpu_flags()
-    if not {"avx2", "fma"} <= flags:
-        return "this CPU has no AVX2 with FMA to run an AVX2 build on"
-    if "avx512f" not in flags and os.environ.get("BATON_TEST_AVX2_BUILD") != "1":
-        return "the native build is the AVX2 one here (BATON_TEST_AVX2_BUILD=1 builds it again)"
     if not cpu_ops.available():
         return "Baton's CPU kernels cannot be built here"
+    if build == "avx2":
+        if not {"avx2", "fma"} <= flags:
+            return "this CPU has no AVX2 with FMA to run an AVX2 build on"
+        if "avx512f" not in flags and os.environ.get("BATON_TEST_AVX2_BUILD") != "1":
+            return "the native build is the AVX2 one here (BATON_TEST_AVX2_BUILD=1 builds it again)"
+    elif "avx512_bf16" not in flags:
+        return "this CPU has no AVX512-BF16: the native build is the one without it"
     return None
 
 
-SKIP = _why_skip()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.fixture(scope="module", params=list(BUILD_FLAGS))
+def variant(request):
+    reason = _why_skip(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    library = "baton_cpu_" + request.param.replace("-", "_")
+    return request.param, cpu_ops.build_variant(library, BUILD_FLAGS[request.param])
 
 
-@pytest.fixture(scope="module")
-def avx2():
-    return cpu_ops.build_variant(LIBRARY, AVX2_FLAGS)
-
-
-def test_the_second_build_is_the_avx2_one(avx2):
-    assert avx2.prefill_attention_max_group() == 8  # a vector's lanes: 16 on AVX-512
-    assert avx2.blocked_linear_supported(torch.float32)
-    assert avx2.blocked_linear_supported(torch.bfloat16)  # widened to float32: AVX2 has no bfloat16 math
-    assert avx2.int8_linear_layout() == 1
+def test_each_build_takes_its_paths(variant):
+    build, ops = variant
+    lanes = 8 if build == "avx2" else 16
+    assert ops.prefill_attention_max_group() == lanes  # a vector's lanes
+    assert ops.blocked_linear_supported(torch.float32)
+    # AVX2 widens bfloat16 to float32; AVX-512 without its bfloat16 dot product leaves it to oneDNN
+    assert ops.blocked_linear_supported(torch.bfloat16) == (build == "avx2")
+    if build == "avx2":
+        assert ops.int8_linear_layout() == 1
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("group", [1, 3, 4, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")  # 48: the generic path
-def test_decode_attention(avx2, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
+def test_decode_attention(variant, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
     ctx = cpu_paged_context([1, 7, 16, 19, 47, 100, 301], 2, head_dim, 16, dtype)
     query = cpu_heads_view(7, 2 * group, head_dim, dtype)
     scale = head_dim**-0.5
-    out = avx2.paged_decode_attention(
+    out = variant[1].paged_decode_attention(
         query.contiguous(), ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, scale
     )
     check(out, paged_decode_attention_ref(query.float(), *ctx.reference_inputs(), scale))
@@ -76,7 +90,7 @@ REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
-def test_prefill_attention(avx2, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
+def test_prefill_attention(variant, cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
     new = torch.tensor([n for _, n in REQUESTS])
     query_start_loc = torch.zeros(len(REQUESTS) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(new, 0)
@@ -84,7 +98,7 @@ def test_prefill_attention(avx2, cpu_paged_context, cpu_heads_view, check, head_
     query = cpu_heads_view(int(new.sum()), 2 * group, head_dim, dtype)
     scale = head_dim**-0.5
     caches = ctx.key_cache, ctx.value_cache, ctx.block_tables
-    out = avx2.paged_prefill_attention(query, *caches, query_start_loc, ctx.seq_lens, scale)
+    out = variant[1].paged_prefill_attention(query, *caches, query_start_loc, ctx.seq_lens, scale)
     key_cache, value_cache, block_tables, seq_lens = ctx.reference_inputs()
     check(
         out,
@@ -102,20 +116,21 @@ ROWS = [1, 2, 3, 5, 6, 7, 13, 25, 121]
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 48), (8, 7), (1024, 512)])
-def test_blocked_linear(avx2, rows, num_out, num_in):
+def test_blocked_linear(variant, rows, num_out, num_in):
     weight, bias, x = _randn(num_out, num_in, seed=0), _randn(num_out, seed=1), _randn(rows, num_in, seed=2)
-    y = avx2.blocked_linear(x, pack_blocks(weight), bias, num_out)
+    y = variant[1].blocked_linear(x, pack_blocks(weight), bias, num_out)
     expected = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 # bfloat16: the in-register tiles (1, 2, up to 4 rows) below 16 rows, a float32 copy of each block from 16
+@pytest.mark.parametrize("variant", ["avx2"], indirect=True)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 25, 121])
 @pytest.mark.parametrize(("num_out", "num_in"), [(96, 40), (100, 47), (8, 7), (1024, 512)])
-def test_blocked_linear_bfloat16(avx2, rows, num_out, num_in):
+def test_blocked_linear_bfloat16(variant, rows, num_out, num_in):
     weight, bias = _randn(num_out, num_in, seed=0).bfloat16(), _randn(num_out, seed=1).bfloat16()
     x = _randn(rows, num_in, seed=2).bfloat16()
-    y = avx2.blocked_linear(x, pack_blocks(weight), bias, num_out)
+    y = variant[1].blocked_linear(x, pack_blocks(weight), bias, num_out)
     assert y.dtype == torch.bfloat16
     expected = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(y.double(), expected, atol=2e-2, rtol=1.6e-2)  # one bfloat16 rounding
@@ -123,9 +138,9 @@ def test_blocked_linear_bfloat16(avx2, rows, num_out, num_in):
 
 @pytest.mark.parametrize("rows", [*ROWS[:-1], 24, 30])  # from 24 rows a block is widened once per call
 @pytest.mark.parametrize(("num_out", "num_in"), [(192, 64), (100, 48), (40, 70)])
-def test_int8_linear(avx2, rows, num_out, num_in):
+def test_int8_linear(variant, rows, num_out, num_in):
     q, scale = quantize_int8(_randn(num_out, num_in, seed=0) * 0.1)
     bias, x = _randn(num_out, seed=1), _randn(rows, num_in, seed=2)
-    y = avx2.int8_linear(x, pack_int8_blocks(q, 1), scale, bias, num_out, 1 << 30)
+    y = variant[1].int8_linear(x, pack_int8_blocks(q, variant[1].int8_linear_layout()), scale, bias, num_out, 1 << 30)
     expected = int8_linear_ref(x.double(), q, scale.double(), bias.double())
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
