@@ -94,3 +94,21 @@ def test_notes_explain_how_to_call_the_service(chart: HelmChart):
     assert "password in Secret baton-redis" in notes
     done = chart.run(["install", "baton", "--dry-run=client"], [values_file("colocated")])
     assert "WARNING: no Redis" in done.stdout and "grpcurl" not in done.stdout
+
+
+def test_the_ray_log_monitor_is_off_in_every_group_unless_asked(chart: HelmChart):
+    def start_params(objects) -> dict[str, dict]:
+        cluster = one(objects, "RayService")["spec"]["rayClusterConfig"]
+        groups = {"head": cluster["headGroupSpec"]}
+        groups.update({g["groupName"]: g for g in cluster["workerGroupSpecs"]})
+        return {name: group["rayStartParams"] for name, group in groups.items()}
+
+    for name in ("minimal", "gpu-tp2"):  # colocated; prefill and decode
+        params = start_params(chart.render([values_file(name)]))
+        assert len(params) >= 2 and all(p["include-log-monitor"] == "false" for p in params.values()), params
+    params = start_params(
+        chart.render(
+            [values_file("minimal")], {"head": {"rayStartParams": {"include-log-monitor": "true", "num-cpus": "0"}}}
+        )
+    )
+    assert params["head"] == {"include-log-monitor": "true", "num-cpus": "0", "dashboard-host": "0.0.0.0"}
