@@ -60,11 +60,7 @@ void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* 
   for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
     const int64_t n = std::min(block_size, len - first);
     const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
-    if (first + block_size < len) {
-      const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_stride + h * D;
-      prefetch_rows(k_cache + next, v_cache + next, std::min(block_size, len - first - block_size), row_stride,
-                    row_bytes);
-    }
+    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D, row_bytes);
     // scores[c][t] = scale * q_c . k_t
     for (int64_t t = 0; t < n; ++t) {
       __m512i kr[P];
