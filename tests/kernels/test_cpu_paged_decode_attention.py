@@ -53,12 +53,13 @@ def test_other_shapes_match_reference(
     run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
 
 
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 6), (128, 3), (256, 3)], ids=lambda v: str(v))
-def test_groups_that_split_into_uneven_passes(cpu_paged_context, cpu_heads_view, check, head_dim, group):
+def test_groups_that_split_into_uneven_passes(cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
     """The vector path takes 256 / head_dim query heads per pass over the context on AVX-512
     (64 / head_dim, at least one, on AVX2): a group that does not divide into passes ends
     with a shorter one."""
-    run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 33, 300], 2, group, head_dim, 16, torch.float32)
+    run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 33, 300], 2, group, head_dim, 16, dtype)
 
 
 def test_float16(cpu_paged_context, cpu_heads_view, check):
