@@ -114,7 +114,7 @@ def main() -> int:
             summary.append(decode_case(plan, batch, context, peak, is_goal=i == 0))
         for num_seqs, seq_len in plan.prefill_cases:
             summary.append(prefill_case(plan, num_seqs, seq_len))
-        missing = [m for m in ENGINE_TEST_DEPS if importlib.util.find_spec(m) is None]
+        missing = missing_engine_deps()
         if plan.device != "cuda":
             summary.append("engine decode step with CUDA graphs: not run (no CUDA)")
         elif missing:
@@ -128,6 +128,11 @@ def main() -> int:
     for line in summary:
         print(line)
     return 0 if tests_ok else 1
+
+
+def missing_engine_deps() -> list[str]:
+    """What the engine's GPU test and the CUDA-graph bench import that is not installed."""
+    return [m for m in ENGINE_TEST_DEPS if importlib.util.find_spec(m) is None]
 
 
 def ensure_baton_importable() -> dict[str, str]:
@@ -158,7 +163,7 @@ def run_tests(extra_env: dict[str, str]) -> tuple[bool, str]:
         print("pytest is not installed: the kernel tests were NOT run")
         return False, "kernel tests: NOT RUN (no pytest)"
     files = sorted((REPO / "tests" / "kernels").glob("test_*.py"))
-    missing = [m for m in ENGINE_TEST_DEPS if importlib.util.find_spec(m) is None]
+    missing = missing_engine_deps()
     left_out = ""
     if missing:
         files = [f for f in files if f.name != ENGINE_TEST]
