@@ -70,14 +70,16 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
 
 // Prefetches head h's rows of the request's next block of K and V, if the context goes on past
 // the block starting at token `first`: one prefetch per 128 B (the CPU fetches line pairs),
-// into L2. Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took 1.16x the time with the cache
-// in L3 and 1.21x with it in memory on Zen 4 (bench/decode_attention.py). Always inlined: a
+// into L2. Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took 1.15x the time with the cache
+// in L3 and 1.26x with it in memory on Zen 4 (bench/decode_attention.py). Always inlined: a
 // call would spill the accumulators (every vector register is caller-saved), which took the
 // kernel 1.3x its time.
 template <typename scalar_t>
-__attribute__((always_inline)) inline void prefetch_next_block(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table, int64_t blk,
-                                int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
-                                int64_t row_stride, int64_t head_offset, int64_t row_bytes) {
+__attribute__((always_inline)) inline void prefetch_next_block(const scalar_t* k_cache, const scalar_t* v_cache,
+                                                               const int32_t* table, int64_t blk, int64_t first,
+                                                               int64_t len, int64_t block_size, int64_t block_stride,
+                                                               int64_t row_stride, int64_t head_offset,
+                                                               int64_t row_bytes) {
 #ifndef BATON_PREFETCH_LOCALITY
 #define BATON_PREFETCH_LOCALITY 1
 #endif
@@ -185,7 +187,8 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
   for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
     const int64_t n = std::min(block_size, len - first);
     const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
-    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D, row_bytes);
+    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D,
+                        row_bytes);
     // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* k = k_cache + base + t * row_stride;

@@ -19,8 +19,8 @@
 // context's odd last token pairs with zeros, not with the row after it, which is never read.
 //
 // On Zen 4 (bench/decode_attention.py: the bench model's heads, 32 requests, contexts
-// 300-800, 2 threads) the widening path took 1.60x this one's time with the cache in L3 and
-// 1.44x with it in memory.
+// 300-800, 2 threads) the widening path took 1.62x this one's time with the cache in L3 and
+// 1.55x with it in memory.
 
 #pragma once
 
@@ -60,7 +60,8 @@ void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* 
   for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
     const int64_t n = std::min(block_size, len - first);
     const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
-    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D, row_bytes);
+    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D,
+                        row_bytes);
     // scores[c][t] = scale * q_c . k_t
     for (int64_t t = 0; t < n; ++t) {
       __m512i kr[P];
