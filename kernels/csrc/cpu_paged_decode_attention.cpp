@@ -68,31 +68,66 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
   return correction;
 }
 
-// Prefetches head h's rows of the request's next block of K and V, if the context goes on past
-// the block starting at token `first`: one prefetch per 128 B (the CPU fetches line pairs),
-// into L2. Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took 1.15x the time with the cache
-// in L3 and 1.26x with it in memory on Zen 4 (bench/decode_attention.py). Always inlined: a
-// call would spill the accumulators (every vector register is caller-saved), which took the
-// kernel 1.3x its time.
+// One call's shapes and raw pointers, read by every path.
 template <typename scalar_t>
-__attribute__((always_inline)) inline void prefetch_next_block(const scalar_t* k_cache, const scalar_t* v_cache,
-                                                               const int32_t* table, int64_t blk, int64_t first,
-                                                               int64_t len, int64_t block_size, int64_t block_stride,
-                                                               int64_t row_stride, int64_t head_offset,
-                                                               int64_t row_bytes) {
+struct Decode {
+  int64_t num_reqs, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
+  int64_t row_stride;    // one token's K (or V), every KV head
+  int64_t block_stride;  // one block of K (or V)
+  const scalar_t *q, *k_cache, *v_cache;
+  const int32_t *tables, *lens;
+  scalar_t* out;
+  float scale;
+
+  Decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale_, at::Tensor& out_)
+      : num_reqs(query.size(0)),
+        num_heads(query.size(1)),
+        head_dim(query.size(2)),
+        block_size(key_cache.size(1)),
+        num_kv_heads(key_cache.size(2)),
+        group(num_heads / num_kv_heads),
+        max_blocks(block_tables.size(1)),
+        row_stride(num_kv_heads * head_dim),
+        block_stride(block_size * row_stride),
+        q(query.data_ptr<scalar_t>()),
+        k_cache(key_cache.data_ptr<scalar_t>()),
+        v_cache(value_cache.data_ptr<scalar_t>()),
+        tables(block_tables.data_ptr<int32_t>()),
+        lens(seq_lens.data_ptr<int32_t>()),
+        out(out_.data_ptr<scalar_t>()),
+        scale(static_cast<float>(scale_)) {}
+};
+
+// Walks request r's context a block at a time: visit(n, base) gets the block's token count
+// and the offset of its first row plus `head_offset` (h * D for one KV head, 0 for all),
+// after the next block's rows (`row_bytes` of each from there) are prefetched, one prefetch
+// per 128 B (the CPU fetches line pairs), into L2. Into L1 (BATON_PREFETCH_LOCALITY=3),
+// float32 took 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
+// (bench/decode_attention.py). Always inlined, visitor and all: a call would spill the
+// accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
+template <typename scalar_t, typename Visit>
+__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t>& p, int64_t r, int64_t head_offset,
+                                                       int64_t row_bytes, Visit&& visit) {
 #ifndef BATON_PREFETCH_LOCALITY
 #define BATON_PREFETCH_LOCALITY 1
 #endif
-  if (first + block_size >= len) return;
-  const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_stride + head_offset;
-  const int64_t rows = std::min(block_size, len - first - block_size);
-  for (int64_t t = 0; t < rows; ++t) {
-    const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
-    const char* nv = reinterpret_cast<const char*>(v_cache + next + t * row_stride);
-    for (int64_t off = 0; off < row_bytes; off += 128) {
-      __builtin_prefetch(nk + off, 0, BATON_PREFETCH_LOCALITY);
-      __builtin_prefetch(nv + off, 0, BATON_PREFETCH_LOCALITY);
+  const int32_t* table = p.tables + r * p.max_blocks;
+  const int64_t len = p.lens[r], block_size = p.block_size;
+  for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
+    if (first + block_size < len) {
+      const int64_t next = static_cast<int64_t>(table[blk + 1]) * p.block_stride + head_offset;
+      const int64_t rows = std::min(block_size, len - first - block_size);
+      for (int64_t t = 0; t < rows; ++t) {
+        const char* nk = reinterpret_cast<const char*>(p.k_cache + next + t * p.row_stride);
+        const char* nv = reinterpret_cast<const char*>(p.v_cache + next + t * p.row_stride);
+        for (int64_t off = 0; off < row_bytes; off += 128) {
+          __builtin_prefetch(nk + off, 0, BATON_PREFETCH_LOCALITY);
+          __builtin_prefetch(nv + off, 0, BATON_PREFETCH_LOCALITY);
+        }
+      }
     }
+    visit(std::min(block_size, len - first), static_cast<int64_t>(table[blk]) * p.block_stride + head_offset);
   }
 }
 
@@ -169,29 +204,38 @@ inline vfloat sum_lanes(const vfloat* v) {
 }
 #endif
 
+// A block's scores from its dot products' partial sums: scores[c][t] = scale * the lane sum of
+// dots[c][t], for C heads and n tokens (rows padded to `padded`, the padding zeroed first).
+template <int C>
+__attribute__((always_inline)) inline void block_scores(vfloat* dots, float* scores, int64_t n, int64_t padded,
+                                                        float scale) {
+  const vfloat vscale = broadcast(scale);
+  for (int c = 0; c < C; ++c) {
+    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
+    for (int64_t t = 0; t < n; t += kLanes) {
+      const vfloat sums = sum_lanes(dots + c * padded + t) * vscale;
+      std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
+    }
+  }
+}
+
 // C query heads of one request (qf: their scaled queries, all sharing KV head h) against the
 // whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
 // the normalized outputs to out.
 template <typename scalar_t, int D, int C>
-void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
-                  int64_t len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t h,
-                  vfloat* dots, float* scores, float* out) {
+void attend_heads(const float* qf, const Decode<scalar_t>& p, int64_t r, int64_t h, vfloat* dots, float* scores,
+                  float* out) {
   constexpr int V = D / kLanes;
-  const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes, row_stride = p.row_stride;
   vfloat acc[C][V];
   for (int c = 0; c < C; ++c)
     for (int j = 0; j < V; ++j) acc[c][j] = vfloat{};
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  constexpr int64_t row_bytes = D * sizeof(scalar_t);
-  for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
-    const int64_t n = std::min(block_size, len - first);
-    const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
-    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D,
-                        row_bytes);
+  walk_blocks(p, r, h * D, D * sizeof(scalar_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
     // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* k = k_cache + base + t * row_stride;
+      const scalar_t* k = p.k_cache + base + t * row_stride;
       vfloat kv[V];
       for (int j = 0; j < V; ++j) kv[j] = load_row(k + j * kLanes);
       for (int c = 0; c < C; ++c) {
@@ -204,13 +248,7 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
         dots[c * padded + t] = dot;
       }
     }
-    for (int c = 0; c < C; ++c) {
-      for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
-      for (int64_t t = 0; t < n; t += kLanes) {
-        const vfloat sums = sum_lanes(dots + c * padded + t);
-        std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
-      }
-    }
+    block_scores<C>(dots, scores, n, padded, 1.f);  // the scale is in qf
     // online softmax: rescale what came before to the new running max
     for (int c = 0; c < C; ++c) {
       const vfloat corr = broadcast(softmax_block(scores + c * padded, n, run_max[c], run_sum[c]));
@@ -218,20 +256,20 @@ void attend_heads(const float* qf, const scalar_t* k_cache, const scalar_t* v_ca
     }
     // acc_c += sum_t p_c,t v_t
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* v = v_cache + base + t * row_stride;
+      const scalar_t* v = p.v_cache + base + t * row_stride;
       vfloat vv[V];
       for (int j = 0; j < V; ++j) vv[j] = load_row(v + j * kLanes);
       for (int c = 0; c < C; ++c) {
-        const vfloat p = broadcast(scores[c * padded + t]);
-        for (int j = 0; j < V; ++j) acc[c][j] += p * vv[j];
+        const vfloat w = broadcast(scores[c * padded + t]);
+        for (int j = 0; j < V; ++j) acc[c][j] += w * vv[j];
       }
     }
-  }
+  });
   for (int c = 0; c < C; ++c) {
     const vfloat inv = broadcast(run_sum[c] > 0.f ? 1.f / run_sum[c] : 0.f);
     for (int j = 0; j < V; ++j) {
-      vfloat r = acc[c][j] * inv;
-      std::memcpy(out + c * D + j * kLanes, &r, sizeof(r));
+      vfloat res = acc[c][j] * inv;
+      std::memcpy(out + c * D + j * kLanes, &res, sizeof(res));
     }
   }
 }
@@ -245,7 +283,7 @@ constexpr bool kBf16Dot = false;
 
 // attend_heads for c (1 <= c <= C) heads, C fixed at compile time
 template <typename scalar_t, int D, int C, typename... Args>
-void attend_chunk(int64_t c, Args... args) {
+void attend_chunk(int64_t c, const Args&... args) {
   if constexpr (C > 1) {
     if (c < C) return attend_chunk<scalar_t, D, C - 1>(c, args...);
   }
@@ -253,51 +291,34 @@ void attend_chunk(int64_t c, Args... args) {
 }
 
 template <typename scalar_t, int D>
-void decode_vector(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t num_reqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t row_stride = num_kv_heads * D;
-  const int64_t block_stride = block_size * row_stride;
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+void decode_vector(const Decode<scalar_t>& p) {
   // query heads per pass: their accumulators take half the registers (one head at least)
   constexpr int kChunk = std::max(1, kRegisters / 2 * kLanes / D);
-  const int64_t num_tasks = num_reqs * num_kv_heads;
+  const int64_t group = p.group, num_kv_heads = p.num_kv_heads;
+  const int64_t num_tasks = p.num_reqs * num_kv_heads;
   std::atomic<int64_t> next_task{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+    const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes;
     std::vector<float> qf(group * D), res(group * D), scores(kChunk * padded);
     std::vector<vfloat> dots(kChunk * padded);
     std::vector<uint16_t> probs(kChunk * padded);  // the bfloat16 dot path's weights
     for (int64_t task = next_task.fetch_add(1); task < num_tasks; task = next_task.fetch_add(1)) {
       const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
-      const int32_t* table = tables + r * max_blocks;
-      const scalar_t* qr = q + (r * num_heads + h * group) * D;
-      const int64_t len = lens[r];
+      const scalar_t* qr = p.q + (r * p.num_heads + h * group) * D;
       if constexpr (kBf16Dot && std::is_same_v<scalar_t, at::BFloat16>) {
         for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, fscale, k_cache,
-                                            v_cache, table, len, block_size, block_stride, row_stride, h, dots.data(),
+          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h, dots.data(),
                                             scores.data(), probs.data(), res.data() + g * D);
         }
       } else {
-        for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * fscale;
+        for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * p.scale;
         for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, k_cache,
-                                            v_cache, table, len, block_size, block_stride, row_stride, h, dots.data(),
-                                            scores.data(), res.data() + g * D);
+          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, p, r, h,
+                                            dots.data(), scores.data(), res.data() + g * D);
         }
       }
-      scalar_t* orow = o + (r * num_heads + h * group) * D;
+      scalar_t* orow = p.out + (r * p.num_heads + h * group) * D;
       for (int64_t i = 0; i < group * D; ++i) orow[i] = static_cast<scalar_t>(res[i]);
     }
   });
@@ -326,11 +347,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "block_tables and seq_lens need one row per request");
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    switch (query.size(2)) {
-      case 64: decode_vector<scalar_t, 64>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-      case 128: decode_vector<scalar_t, 128>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-      case 256: decode_vector<scalar_t, 256>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-      default: decode_scalar<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+    const Decode<scalar_t> p(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+    switch (p.head_dim) {
+      case 64: decode_vector<scalar_t, 64>(p); break;
+      case 128: decode_vector<scalar_t, 128>(p); break;
+      case 256: decode_vector<scalar_t, 256>(p); break;
+      default: decode_scalar<scalar_t>(p);
     }
   });
   return out;

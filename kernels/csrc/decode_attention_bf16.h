@@ -36,17 +36,15 @@ inline void load_bf16_row(const uint16_t* p, __m512i (&row)[P]) {
 // whole context; their C * D / 16 accumulators stay in registers. Writes the normalized
 // outputs to out.
 template <typename scalar_t, int D, int C>
-void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* k_cache_bf16,
-                  const at::BFloat16* v_cache_bf16, const int32_t* table, int64_t len, int64_t block_size,
-                  int64_t block_stride, int64_t row_stride, int64_t h, vfloat* dots, float* scores, uint16_t* probs,
-                  float* out) {
+void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, int64_t r, int64_t h, vfloat* dots,
+                  float* scores, uint16_t* probs, float* out) {
   static_assert(kLanes == 16 && D % 32 == 0, "the bfloat16 dot path is AVX-512's");
   constexpr int P = D / 32;   // 64-byte loads per row
   constexpr int A = D / 16;   // accumulators per head
   const auto* q = reinterpret_cast<const uint16_t*>(q_heads);
-  const auto* k_cache = reinterpret_cast<const uint16_t*>(k_cache_bf16);
-  const auto* v_cache = reinterpret_cast<const uint16_t*>(v_cache_bf16);
-  const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+  const auto* k_cache = reinterpret_cast<const uint16_t*>(p.k_cache);
+  const auto* v_cache = reinterpret_cast<const uint16_t*>(p.v_cache);
+  const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes, row_stride = p.row_stride;
   __m512bh qv[C][P];
   for (int c = 0; c < C; ++c)
     for (int j = 0; j < P; ++j) qv[c][j] = (__m512bh)_mm512_loadu_si512(q + c * D + j * 32);
@@ -55,13 +53,7 @@ void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* 
     for (int a = 0; a < A; ++a) acc[c][a] = _mm512_setzero_ps();
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  const vfloat vscale = broadcast(scale);
-  constexpr int64_t row_bytes = D * sizeof(uint16_t);
-  for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
-    const int64_t n = std::min(block_size, len - first);
-    const int64_t base = static_cast<int64_t>(table[blk]) * block_stride + h * D;
-    prefetch_next_block(k_cache, v_cache, table, blk, first, len, block_size, block_stride, row_stride, h * D,
-                        row_bytes);
+  walk_blocks(p, r, h * D, D * sizeof(uint16_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
     // scores[c][t] = scale * q_c . k_t
     for (int64_t t = 0; t < n; ++t) {
       __m512i kr[P];
@@ -72,13 +64,7 @@ void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* 
         dots[c * padded + t] = dot;
       }
     }
-    for (int c = 0; c < C; ++c) {
-      for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
-      for (int64_t t = 0; t < n; t += kLanes) {
-        const vfloat sums = sum_lanes(dots + c * padded + t) * vscale;
-        std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
-      }
-    }
+    block_scores<C>(dots, scores, n, padded, p.scale);
     // online softmax, then the weights as bfloat16 (zeros past the context's end)
     for (int c = 0; c < C; ++c) {
       float* s = scores + c * padded;
@@ -106,11 +92,11 @@ void attend_heads(const at::BFloat16* q_heads, float scale, const at::BFloat16* 
       for (int c = 0; c < C; ++c) {
         int32_t pair;
         std::memcpy(&pair, probs + c * padded + t, sizeof(pair));
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
-        for (int a = 0; a < A; ++a) acc[c][a] = _mm512_dpbf16_ps(acc[c][a], pairs[a], p);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int a = 0; a < A; ++a) acc[c][a] = _mm512_dpbf16_ps(acc[c][a], pairs[a], w);
       }
     }
-  }
+  });
   for (int c = 0; c < C; ++c) {
     const float inv = run_sum[c] > 0.f ? 1.f / run_sum[c] : 0.f;
     for (int a = 0; a < A; ++a) {
