@@ -93,12 +93,19 @@ def baton_config(path: Path, http_port: int, stream_interval: int = 1, direct_in
 
 
 def server_command(
-    server: str, port: int, run_dir: Path, stream_interval: int = 1, direct_ingress: bool | None = None
+    server: str,
+    port: int,
+    run_dir: Path,
+    stream_interval: int = 1,
+    direct_ingress: bool | None = None,
+    baton_sets: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str] | None]:
+    """`baton_sets`: `--set key=value` overrides for Baton's config (bench/core_process.py)."""
     model = str(bench_model())
     if server == "baton":
         config = baton_config(run_dir / "baton.yaml", port, stream_interval, direct_ingress)
-        return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5"], None
+        sets = [arg for kv in baton_sets for arg in ("--set", kv)]
+        return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5", *sets], None
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     cmd = [str(VPY), str(WORKER), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += [
@@ -114,9 +121,16 @@ def server_command(
 class Server:
     """One server process in a session of its own (so every process it starts can be found)."""
 
-    def __init__(self, name: str, run_dir: Path, stream_interval: int = 1, direct_ingress: bool | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        run_dir: Path,
+        stream_interval: int = 1,
+        direct_ingress: bool | None = None,
+        baton_sets: tuple[str, ...] = (),
+    ) -> None:
         self.name, self.port = name, free_port()
-        cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress)
+        cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress, baton_sets)
         self.log = run_dir / f"{name}-server.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
@@ -197,10 +211,16 @@ def load_with_retry(server: Server, load: Load, n: int, seed: int, out: Path) ->
 
 
 def serve_and_load(
-    name: str, round_dir: Path, quick: bool, seed: int, stream_interval: int = 1, direct_ingress: bool | None = None
+    name: str,
+    round_dir: Path,
+    quick: bool,
+    seed: int,
+    stream_interval: int = 1,
+    direct_ingress: bool | None = None,
+    baton_sets: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
-    server = Server(name, round_dir, stream_interval, direct_ingress if name == "baton" else None)
+    server = Server(name, round_dir, stream_interval, direct_ingress if name == "baton" else None, baton_sets)
     try:
         ready_s = server.wait_ready()
         print(f"  {name} ready in {ready_s:.1f} s on {server.url}", flush=True)

@@ -124,6 +124,14 @@ class RunnerConfig(BaseModel):
     peak_memory_tbs: float | None = Field(
         None, gt=0, description="Device peak memory bandwidth in TB/s for MBU (default: known GPUs)"
     )
+    core_process: bool | None = Field(
+        None,
+        description="AsyncLLM runs the engine core and its step loop in a child process of its own, as vLLM's "
+        "engine core runs, rather than on a thread of the caller's process: the steps then share no GIL with the "
+        "serving layer's event loop, Ray's threads and the router agent. Needs tensor_parallel_size 1 (the "
+        "ranks of a larger one are Ray actors, which a child process cannot place). Default: on in serving "
+        "replicas with one rank, off where AsyncLLM is built directly",
+    )
     cuda_graphs: bool = Field(
         False,
         description="On CUDA, decode-only steps replay a CUDA graph captured for their batch size (padded up to "
@@ -233,6 +241,16 @@ class EngineConfig(BaseModel):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @model_validator(mode="after")
+    def _core_process(self) -> EngineConfig:
+        tp = self.parallel.tensor_parallel_size
+        if self.runner.core_process and tp > 1:
+            raise ValueError(
+                f"runner.core_process needs tensor_parallel_size 1 (it is {tp}): the ranks of a sharded engine "
+                "are Ray actors in the replica's placement group, which a child process cannot join"
+            )
+        return self
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -9,7 +9,6 @@ build it without Ray; `services/serve_app/builder.py` turns it into a Serve depl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -24,11 +23,9 @@ from ..engine.api.handover import Handover
 from ..engine.api.outputs import RequestOutput
 from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
-from ..engine.execution.weight_sync import plan_buckets
 from ..engine.stats import EngineStats
 from ..kv_transfer.config import FaultInjection
 from ..metrics import EngineMetrics
-from ..model.weight_update import check_update
 from ..replica_ports import bind_to_node_ip
 from ..roles import Role
 from ..router.config import RouterConfig
@@ -80,7 +77,7 @@ class EngineWorker:
             self.agent = WorkerAgent.from_config(router_config, self.info)
         self.channels = OutputChannels(address)
         self.llm = AsyncLLM(
-            engine_config,
+            _with_core_process(engine_config),
             kv_event_publisher=self.agent.publisher if self.agent else None,
             worker_id=self.info.worker_id,
         )
@@ -194,13 +191,13 @@ class EngineWorker:
         return found
 
     async def model_info(self) -> WorkerModelInfo:
-        core = self.llm.core
+        llm = self.llm
         return WorkerModelInfo(
             model=self.served_model_name,
-            max_model_len=core.max_model_len,
-            block_size=core.config.cache.block_size,
-            tensor_parallel_size=core.config.parallel.tensor_parallel_size,
-            vocab_size=core.arch.vocab_size,
+            max_model_len=llm.max_model_len,
+            block_size=llm.config.cache.block_size,
+            tensor_parallel_size=llm.config.parallel.tensor_parallel_size,
+            vocab_size=llm.vocab_size,
             role=self.role,
             worker_id=self.worker_id,
             address=self.info.address,
@@ -259,12 +256,15 @@ class EngineWorker:
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
     ) -> tuple[str, None | BaseException]:
         """The preflight of a trainer's update: would every rank take these tensors?"""
-        check = functools.partial(_check_weights_update, names, dtypes, shapes, group_name)
+
+        def check(rank) -> None:
+            rank.weights.check_distributed_update(names, dtypes, shapes, group_name)
+
         return await self._answer(lambda: self.llm.run_in_engine(lambda core: core.executor.run_on_ranks(check)))
 
     async def record_update(self, path: str | None, weight_version: str) -> tuple[str, bool]:
         """Where a replica that starts later finds the fleet's update (workers/last_update.py)."""
-        return self.worker_id, last_update.record(self.llm.core.config.model.model, path, weight_version)
+        return self.worker_id, last_update.record(self.llm.config.model.model, path, weight_version)
 
     async def pause_generation(self, mode: str = "abort") -> tuple[str, None]:
         await self.llm.pause_generation(mode)
@@ -364,16 +364,13 @@ class EngineWorker:
         self.admission.admit(call.request_id, len(call.prompt_token_ids), self.llm.stats(), self.worker_id)
 
 
-def _check_weights_update(names, dtypes, shapes, group_name: str, rank) -> None:
-    """What a rank checks of a trainer's update before reading a byte (rank_weights.py), on
-    its own: the bucket plan's names and dtypes, every shape against the running model, and
-    the group."""
-    plan_buckets(names, dtypes, shapes)
-    weights = rank.weights
-    shape_of = {name: tuple(shape) for name, shape in zip(names, shapes, strict=True)}
-    check_update(weights.layout, weights.arch, shape_of, complete=weights.is_released)
-    if group_name not in weights.groups:
-        raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
+def _with_core_process(config: EngineConfig) -> EngineConfig:
+    """A replica runs its engine core in a process of its own unless told otherwise or
+    sharded (engine/api/engine_process.py says why)."""
+    if config.runner.core_process is not None:
+        return config
+    runner = config.runner.model_copy(update={"core_process": config.parallel.tensor_parallel_size == 1})
+    return config.model_copy(update={"runner": runner})
 
 
 def _in_ray() -> bool:

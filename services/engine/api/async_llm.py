@@ -1,11 +1,14 @@
 """The asynchronous engine the services wrap: streams outputs to asyncio callers.
 
-One engine thread owns the `EngineCore` and runs its step loop; asyncio callers talk to it
-through a command queue (add, abort, run-a-function) and receive outputs on per-request
-asyncio queues. A step never blocks the caller's event loop, and one loop serves every
-request, exactly as `LLM.generate` does offline.
+A backend owns the `EngineCore` and runs its step loop: a thread of this process
+(engine/api/engine_thread.py, the default) or, with `runner.core_process`, a child process
+(engine/api/engine_process.py says why). Asyncio callers hand it commands (add, abort,
+run-a-function) and receive outputs on per-request asyncio queues. A step never blocks the
+caller's event loop, and one loop serves every request, exactly as `LLM.generate` does
+offline. Both backends take the same API, except that `core` is reachable only on a thread
+(`run_in_engine` on either).
 
-    caller (event loop)                       engine thread
+    caller (event loop)                       engine thread (or process)
     generate() -> prepare() ---- add ---->    submit(); step(); step(); ...
       <------------- outputs via call_soon_threadsafe ----
     (cancelled) ---------------- abort --->   abort_request() frees the blocks
@@ -14,11 +17,8 @@ request, exactly as `LLM.generate` does offline.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
-import logging
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -28,14 +28,13 @@ from ..engine_core import EngineCore
 from ..errors import EngineDeadError, InvalidRequestError
 from ..stats import EngineStats
 from ..weight_updates import PauseMode, WeightUpdates
+from .engine_process import EngineProcess
+from .engine_thread import EngineThread
 from .handover import Handover
 from .outputs import RequestOutput, merge_deltas
 from .sampling_params import RequestOutputKind, SamplingParams
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_IDLE_TICK_S = 0.25
-_POLL_TICK_S = 0.002
 _DRAIN_TICK_S = 0.005
 
 
@@ -115,23 +114,19 @@ class AsyncLLM:
         core: EngineCore | None = None,
         worker_id: str = "",
     ) -> None:
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
-        self._stopping = False
-        # The engine thread builds the core itself: the thread that loads the model is the
-        # one whose OpenMP team runs it (model/cpu_tuning.py says why that matters).
-        built: concurrent.futures.Future[None] = concurrent.futures.Future()
-        if core is None:
-            build = lambda: EngineCore(config, kv_event_publisher, worker_id=worker_id)  # noqa: E731
+        deliver = (self._hand_over, self._deliver_error, self._die)
+        self._engine: EngineThread | EngineProcess
+        if config.runner.core_process:
+            if core is not None:
+                raise ValueError("an EngineCore handed to AsyncLLM runs on a thread: turn runner.core_process off")
+            self._engine = EngineProcess(config, worker_id, kv_event_publisher, *deliver)
         else:
-            build = lambda: core  # noqa: E731
-        self._thread = threading.Thread(target=self._run, args=(build, built), name="baton-engine", daemon=True)
-        self._thread.start()
-        built.result()  # raises what building raised
-        self.config = self.core.config
+            self._engine = EngineThread(config, kv_event_publisher, core, worker_id, *deliver)
+        self.config, self.max_model_len = self._engine.config, self._engine.max_model_len
+        self.vocab_size = self._engine.vocab_size
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> AsyncLLM:
@@ -140,12 +135,17 @@ class AsyncLLM:
     # -- the API ----------------------------------------------------------------------
 
     @property
+    def core(self) -> EngineCore:
+        """The engine core, on a thread of this process (not with `runner.core_process`)."""
+        return self._engine.core
+
+    @property
     def tokenizer(self) -> Any:
-        return self.core.tokenizer
+        return self._engine.tokenizer
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._engine.is_alive
 
     def add_request(
         self,
@@ -155,17 +155,21 @@ class AsyncLLM:
         cache_salt: str | None = None,
         handover: Handover | None = None,
     ) -> RequestStream:
-        """Validates now (raising InvalidRequestError) and returns the request's output stream.
-        `handover`: which side of a P/D handover this request is (engine/api/handover.py)."""
+        """Validates now (raising InvalidRequestError) and returns the request's output stream;
+        with `runner.core_process` the engine's process validates, and the stream ends with
+        its error. `handover`: which side of a P/D handover this request is (handover.py)."""
         self._check_alive()
-        self.core.weights.check_accepting()  # asleep: refused now, not after the queue
-        prepared = self.core.prepare(request_id, prompt, params, cache_salt, handover=handover)
+        prepared = self._engine.prepare(request_id, prompt, params, cache_salt, handover)
         stream = RequestStream(request_id, self)
         with self._streams_lock:
             if request_id in self._streams:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._send(lambda: self._submit(prepared))
+        try:
+            self._engine.submit(prepared)
+        except BaseException:
+            self._forget(request_id)
+            raise
         return stream
 
     async def generate(
@@ -194,27 +198,20 @@ class AsyncLLM:
             return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
-        self._send(lambda: self.core.abort_request(request_id))
+        if self._dead is None:  # a dead engine has nothing left to free
+            self._engine.abort(request_id)
 
     async def run_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
-        """Runs fn(engine_core) on the engine thread between steps and returns its result."""
+        """Runs fn(engine_core) between steps and returns its result (with `runner.core_process`
+        in the engine's process: fn and its result cross pickled)."""
         self._check_alive()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def call() -> None:
-            try:
-                future.set_result(fn(self.core))
-            except BaseException as e:  # handed to the caller
-                future.set_exception(e)
-
-        self._send(call)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._engine.call(fn))
 
     # -- weight updates, pause, sleep (engine/weight_updates.py): between steps -------
 
     @property
     def weight_version(self) -> str:
-        return self.core.weights.weight_version
+        return self._engine.weight_version
 
     # Signatures and docs are WeightUpdates' own (functools.wraps), written once there.
 
@@ -276,29 +273,16 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """Snapshot taken after the latest step (thread-safe)."""
-        return self._stats
+        return self._engine.stats()
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
-        self.core.shutdown()
+        self._engine.shutdown()
 
     # -- internals --------------------------------------------------------------------
 
     def _forget(self, request_id: str) -> None:
         with self._streams_lock:
             self._streams.pop(request_id, None)
-
-    def _submit(self, prepared) -> None:
-        try:
-            self.core.submit(prepared)
-        except InvalidRequestError as e:
-            self._deliver_error(prepared.request_id, e)
-
-    def _send(self, command: Callable[[], None]) -> None:
-        self._commands.append(command)
-        self._wakeup.set()
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -326,42 +310,15 @@ class AsyncLLM:
                 except RuntimeError:  # the loop was closed: nobody will read these requests
                     for stream, _ in items:
                         self._streams.pop(stream.request_id, None)
-                        self.core.abort_request(stream.request_id)
+                        self._engine.abort(stream.request_id)
 
-    def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
-        try:
-            self.core = build()
-            self._stats = self.core.stats()
-        except BaseException as e:  # handed to the constructor
-            built.set_exception(e)
-            return
-        built.set_result(None)
-        try:
-            while not self._stopping:
-                while self._commands:
-                    self._commands.popleft()()
-                if not self.core.needs_step() and not self.core.needs_polling():
-                    self.core.publish_kv_events()  # an idle engine still answers snapshot requests
-                    self._stats = self.core.stats()  # aborts free blocks, and warm blocks cool while idle
-                    self._wakeup.wait(timeout=_IDLE_TICK_S)
-                    self._wakeup.clear()
-                    continue
-                outputs = self.core.step()
-                for request_id, error in self.core.take_failures():
-                    self._deliver_error(request_id, error)
-                if self.core.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
-                    self._wakeup.wait(timeout=_POLL_TICK_S)
-                    self._wakeup.clear()
-                self._stats = self.core.stats()
-                if outputs:
-                    self._hand_over(outputs)
-        except BaseException as e:
-            logger.exception("engine loop failed")
-            self._dead = e
-            dead = EngineDeadError(f"the engine stopped after an error: {e!r}")
-            with self._streams_lock:
-                for stream in self._streams.values():
-                    stream.put(dead)
+    def _die(self, error: BaseException) -> None:
+        """The engine stopped: every open request fails."""
+        self._dead = error
+        dead = EngineDeadError(f"the engine stopped after an error: {error!r}")
+        with self._streams_lock:
+            for stream in self._streams.values():
+                stream.put(dead)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:

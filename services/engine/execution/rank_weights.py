@@ -140,6 +140,19 @@ class RankWeights:
                 self.release()
                 raise
 
+    def check_distributed_update(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+    ) -> None:
+        """A trainer's preflight, reading nothing: the bucket plan's names and dtypes, every
+        shape against the running model, and the group."""
+        plan_buckets(names, dtypes, shapes)
+        self._check({name: tuple(shape) for name, shape in zip(names, shapes, strict=True)})
+        self._group(group_name)
+
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
         if group is None:

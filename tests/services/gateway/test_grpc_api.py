@@ -281,8 +281,9 @@ def test_abort_by_id(client):
 
 
 def test_overload_is_resource_exhausted_with_retry_after(client):
-    # More concurrent requests than max_num_seqs (16) + max_waiting_requests (40).
-    streams = [client.generate(greedy_request(f"busy {i}", max_tokens=200)) for i in range(70)]
+    # More concurrent requests than max_num_seqs (16) + max_waiting_requests (40), by enough
+    # that the queue passes its bound even though the first ones finish while the last arrive.
+    streams = [client.generate(greedy_request(f"busy {i}", max_tokens=200)) for i in range(120)]
     codes, retry_after = [], []
 
     def drain(stream):

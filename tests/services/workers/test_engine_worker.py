@@ -102,3 +102,16 @@ async def test_model_info_and_abort(workers):
     await stream.aclose()
     stats = await worker.check_integrity()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_a_one_rank_replica_runs_its_engine_core_in_a_process_of_its_own(workers, llama_dir):
+    from baton.services.engine.api.engine_process import EngineProcess
+    from baton.services.workers.engine_worker import _with_core_process
+
+    assert isinstance(workers("colocated").llm._engine, EngineProcess)
+    config = EngineConfig.from_kwargs(model=str(llama_dir))
+    assert _with_core_process(config).runner.core_process is True
+    kept = EngineConfig.from_kwargs(model=str(llama_dir), core_process=False)
+    assert _with_core_process(kept).runner.core_process is False
+    sharded = EngineConfig.from_kwargs(model=str(llama_dir), tensor_parallel_size=2)
+    assert _with_core_process(sharded).runner.core_process is False
