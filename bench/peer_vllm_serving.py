@@ -131,6 +131,7 @@ class Server:
     ) -> None:
         self.name, self.port = name, free_port()
         cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress, baton_sets)
+        run_dir.mkdir(parents=True, exist_ok=True)  # a round that starts with vLLM has no Baton config there yet
         self.log = run_dir / f"{name}-server.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
