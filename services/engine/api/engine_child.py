@@ -32,10 +32,9 @@ from ..core.kv_events import KVCacheSnapshot, KVEvent, KVEventPublisher
 from ..errors import InvalidRequestError
 from ..stats import EngineStats
 from .outputs import RequestOutput
+from .step_loop import Failures, run_step_loop
 
 logger = logging.getLogger(__name__)
-_IDLE_TICK_S = 0.25  # an idle child reports its stats (and hears snapshot requests) this often
-_POLL_TICK_S = 0.002  # a child only polling KV transfers waits this long between steps
 _PARENT_CHECK_S = 1.0
 
 
@@ -79,7 +78,7 @@ class _ForwardingPublisher(KVEventPublisher):
 class _Child:
     def __init__(self, conn: Connection, core: Any, publisher: _ForwardingPublisher) -> None:
         self.conn, self.core, self.publisher = conn, core, publisher
-        self.failures: list[tuple[str, BaseException]] = []
+        self.failures: Failures = []  # requests refused when added
         self.prompt_sent: set[str] = set()  # requests whose prompt the parent has
 
     def state(self) -> CoreState:
@@ -121,27 +120,21 @@ class _Child:
             self.conn.send(("result", call_id, False, failure, self.state()))
 
     def run(self) -> None:
-        core, conn = self.core, self.conn
-        while True:
-            busy = core.needs_step() or core.needs_polling()
-            if conn.poll(0 if busy else _IDLE_TICK_S):
-                while True:
-                    if not self.handle(conn.recv()):
-                        return
-                    if not conn.poll(0):
-                        break
-            if not (core.needs_step() or core.needs_polling()):
-                core.publish_kv_events()  # an idle engine still answers snapshot requests
-                self.send_step([])  # stats: aborts free blocks, and warm blocks cool while idle
-                continue
-            outputs = core.step()
-            self.failures.extend(core.take_failures())
-            if core.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
-                conn.poll(_POLL_TICK_S)
-            self.send_step(outputs)
+        run_step_loop(self.core, self.run_commands, self.send_step)
 
-    def send_step(self, outputs: list[RequestOutput]) -> None:
-        failures, self.failures = self.failures, []
+    def run_commands(self, timeout: float) -> bool:
+        """Every command the parent has sent (waiting up to `timeout` for one); False on "stop"."""
+        conn = self.conn
+        if conn.poll(timeout):
+            while True:
+                if not self.handle(conn.recv()):
+                    return False
+                if not conn.poll(0):
+                    break
+        return True
+
+    def send_step(self, outputs: list[RequestOutput], step_failures: Failures) -> None:
+        failures, self.failures = self.failures + step_failures, []
         for output in outputs:  # the prompt crosses once (EngineProcess._restore_prompts)
             if output.request_id in self.prompt_sent:
                 output.prompt = output.prompt_token_ids = None

@@ -182,7 +182,9 @@ class EngineProcess:
                 elif kind == "result":
                     _, call_id, ok, value, self.state = message
                     self._forward_kv_events(self.state)
-                    future = self._calls.pop(call_id)
+                    future = self._calls.pop(call_id, None)
+                    if future is None:  # its send failed, and the caller has that error
+                        continue
                     if ok:
                         future.set_result(value)
                     else:

@@ -22,10 +22,9 @@ from ..errors import InvalidRequestError
 from ..stats import EngineStats
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput
+from .step_loop import Failures, run_step_loop
 
 logger = logging.getLogger(__name__)
-_IDLE_TICK_S = 0.25
-_POLL_TICK_S = 0.002
 
 
 class EngineThread:
@@ -125,24 +124,22 @@ class EngineThread:
             return
         built.set_result(None)
         try:
-            while not self._stopping:
-                while self._commands:
-                    self._commands.popleft()()
-                if not core.needs_step() and not core.needs_polling():
-                    core.publish_kv_events()  # an idle engine still answers snapshot requests
-                    self._stats = core.stats()  # aborts free blocks, and warm blocks cool while idle
-                    self._wakeup.wait(timeout=_IDLE_TICK_S)
-                    self._wakeup.clear()
-                    continue
-                outputs = core.step()
-                for request_id, error in core.take_failures():
-                    self._on_error(request_id, error)
-                if core.last_step_num_tokens == 0:  # only polling KV transfers: do not spin
-                    self._wakeup.wait(timeout=_POLL_TICK_S)
-                    self._wakeup.clear()
-                self._stats = core.stats()
-                if outputs:
-                    self._on_outputs(outputs)
+            run_step_loop(core, self._run_commands, self._report)
         except BaseException as e:
             logger.exception("engine loop failed")
             self._on_dead(e)
+
+    def _run_commands(self, timeout: float) -> bool:
+        if timeout and not self._commands:
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()  # before draining: a command sent after this sets it again
+        while self._commands:
+            self._commands.popleft()()
+        return not self._stopping
+
+    def _report(self, outputs: list[RequestOutput], failures: Failures) -> None:
+        for request_id, error in failures:
+            self._on_error(request_id, error)
+        self._stats = self.core.stats()
+        if outputs:
+            self._on_outputs(outputs)
