@@ -99,13 +99,16 @@ def server_command(
     stream_interval: int = 1,
     direct_ingress: bool | None = None,
     baton_sets: tuple[str, ...] = (),
+    baton_env: dict[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str] | None]:
-    """`baton_sets`: `--set key=value` overrides for Baton's config (bench/core_process.py)."""
+    """`baton_sets`: `--set key=value` overrides for Baton's config; `baton_env`: variables
+    added to Baton's environment (both for bench/serving_ab.py)."""
     model = str(bench_model())
     if server == "baton":
         config = baton_config(run_dir / "baton.yaml", port, stream_interval, direct_ingress)
         sets = [arg for kv in baton_sets for arg in ("--set", kv)]
-        return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5", *sets], None
+        env = {**os.environ, **baton_env} if baton_env else None
+        return [str(BATON), "serve", "--config", str(config), "--model", model, "--grace-period", "5", *sets], env
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     cmd = [str(VPY), str(WORKER), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += [
@@ -128,9 +131,10 @@ class Server:
         stream_interval: int = 1,
         direct_ingress: bool | None = None,
         baton_sets: tuple[str, ...] = (),
+        baton_env: dict[str, str] | None = None,
     ) -> None:
         self.name, self.port = name, free_port()
-        cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress, baton_sets)
+        cmd, env = server_command(name, self.port, run_dir, stream_interval, direct_ingress, baton_sets, baton_env)
         run_dir.mkdir(parents=True, exist_ok=True)  # a round that starts with vLLM has no Baton config there yet
         self.log = run_dir / f"{name}-server.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
@@ -219,9 +223,11 @@ def serve_and_load(
     stream_interval: int = 1,
     direct_ingress: bool | None = None,
     baton_sets: tuple[str, ...] = (),
+    baton_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
-    server = Server(name, round_dir, stream_interval, direct_ingress if name == "baton" else None, baton_sets)
+    direct = direct_ingress if name == "baton" else None
+    server = Server(name, round_dir, stream_interval, direct, baton_sets, baton_env)
     try:
         ready_s = server.wait_ready()
         print(f"  {name} ready in {ready_s:.1f} s on {server.url}", flush=True)

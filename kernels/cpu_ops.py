@@ -31,6 +31,7 @@ SOURCES = [
         "cpu_int8_linear.cpp",
         "cpu_blocked_linear.cpp",
         "cpu_paged_prefill_attention.cpp",
+        "thread_pool.cpp",
     )
 ]
 # -ffast-math lets exp and the reductions vectorize; infinities still have to work (the
@@ -71,6 +72,13 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
         seq_lens.to(torch.int32).contiguous(),
         float(scale),
     )
+
+
+def set_thread_pool(on: bool) -> bool:
+    """Turns the kernels' own thread pool (csrc/thread_pool.h) on or off for this process;
+    returns whether it was on. BATON_CPU_THREAD_POOL=1 turns it on from the start."""
+    require()
+    return bool(torch.ops.baton_cpu.set_thread_pool(on))
 
 
 def prefill_attention_max_group() -> int:

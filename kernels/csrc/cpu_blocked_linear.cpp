@@ -21,10 +21,10 @@
 // (blocked_linear_avx2.h). Accumulators hold whole outputs, so nothing is reduced across lanes.
 //
 // Work is split into items of (a panel of up to 120 rows, a chunk of blocks of ~128 KB, up to
-// 1 MB on AVX2 where there are many panels), and the OpenMP team's threads take items from a
-// shared counter rather than a static split: a thread preempted by another process (the
-// gateway, the client, Ray on a 2-core machine) leaves its share to the others instead of
-// stalling them all at the region's end.
+// 1 MB on AVX2 where there are many panels), and the threads take items from a shared
+// counter rather than a static split: a thread preempted by another process (the gateway,
+// the client, Ray on a 2-core machine) leaves its share to the others. On OpenMP the others
+// still wait for it at the region's end; on Baton's thread pool (thread_pool.h) they do not.
 //
 // Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
 // baton_cpu library. `blocked_linear_supported(dtype)` says which dtypes this build has a
@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "thread_pool.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -207,7 +208,7 @@ void blocked_linear_parallel(const P& p, int64_t num_blocks) {
   const int64_t num_items = num_chunks * num_panels;
   std::atomic<int64_t> next{0};
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+  baton::run_on_threads(num_threads, [&] {
     // Consecutive items share a chunk, so its weights stay in cache while the panels go by
     // (the other order, panels outer, read a large layer's weights again for every panel:
     // up to 1.3x slower at 2,048 rows).

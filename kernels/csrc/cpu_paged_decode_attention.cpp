@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -298,7 +299,7 @@ void decode_vector(const Decode<scalar_t>& p) {
   const int64_t num_tasks = p.num_reqs * num_kv_heads;
   std::atomic<int64_t> next_task{0};
 
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  baton::run_on_threads(at::get_num_threads(), [&] {
     const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes;
     std::vector<float> qf(group * D), res(group * D), scores(kChunk * padded);
     std::vector<vfloat> dots(kChunk * padded);

@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -316,7 +317,7 @@ void prefill(const Problem& p, int64_t num_reqs) {
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1));
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+  baton::run_on_threads(num_threads, [&] {
     // On the thread's stack (100 KB at most), not thread_local: GCC reaches a thread_local
     // through a TLS call inside the inner loops, which spills every accumulator around it.
     alignas(64) float scratch[6 * D * kLanes + 2 * kLanes * kLanes];

@@ -74,6 +74,7 @@ class EngineProcess:
             [sys.executable, "-m", engine_child.__name__, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            env=engine_child.environment(),
         )
         theirs.close()
         self._conn = Connection(ours.detach())

@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from baton.kernels import cpu_ops
 from baton.services.engine import AsyncLLM, EngineDeadError, InvalidRequestError, SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.core.kv_events import BlockStored, InMemoryKVEventPublisher, KVCacheSnapshot
@@ -82,6 +83,19 @@ async def test_outputs_equal_the_engine_on_a_thread(engine, llama_dir):
     assert engine.is_running and (engine.max_model_len, engine.vocab_size) == (on_thread.max_model_len, 1024)
     assert await free_blocks(engine) == NUM_BLOCKS
     assert wait_until(lambda: engine.stats().num_free_kv_blocks == NUM_BLOCKS, what="stats after the requests")
+
+
+def _kernel_pool_state(core) -> tuple[bool, str | None]:
+    return cpu_ops.set_thread_pool(True), os.environ.get("OMP_WAIT_POLICY")  # on stays on
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ CPU kernels here")
+async def test_the_engine_process_runs_the_kernels_on_their_own_thread_pool(engine):
+    """With OpenMP's workers passive beside them (kernels/csrc/thread_pool.h says why); this
+    process, a replica's, keeps OpenMP."""
+    assert await engine.run_in_engine(_kernel_pool_state) == (True, "PASSIVE")
+    was_on = cpu_ops.set_thread_pool(False)
+    assert not was_on
 
 
 async def test_every_output_carries_its_prompt(engine):
