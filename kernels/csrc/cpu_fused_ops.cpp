@@ -9,8 +9,9 @@
 // itself is float32 for every dtype, as in the references. SiLU-and-multiply's exp is
 // vec_math.h's (glibc's expf made a fused loop 2.5x slower than torch's two ops).
 //
-// Rows are split across threads with at::parallel_for only when there are enough of them to
-// pay for it (kGrainElements per task); a decode step's few rows run on the calling thread.
+// Rows are split across threads (thread_pool.h's parallel_for) only when there are enough of
+// them to pay for it (kGrainElements per task); a decode step's few rows run on the calling
+// thread.
 //
 // Built on first use by kernels/cpu_ops.py together with cpu_paged_decode_attention.cpp, which
 // defines the baton_cpu library these ops join.
@@ -21,6 +22,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,7 +53,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, co
   auto* op = raw(out.data_ptr<scalar_t>());
   auto* rop = residual_out ? raw(residual_out->data_ptr<scalar_t>()) : nullptr;
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const auto* xr = xp + r * H;
       const auto* src = xr;  // what is normed: x, or x + residual in x's dtype
@@ -112,7 +114,7 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t I = out.size(-1), rows = out.numel() / std::max<int64_t>(1, I);
   const auto* xp = raw(x.data_ptr<scalar_t>());
   auto* op = raw(out.data_ptr<scalar_t>());
-  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const auto* __restrict__ gate = xp + r * 2 * I;
       const auto* __restrict__ up = gate + I;
@@ -175,7 +177,7 @@ void rope_and_cache_rows(const at::Tensor& positions, at::Tensor& query, at::Ten
   scalar_t* kc = key_cache.data_ptr<scalar_t>();
   scalar_t* vc = value_cache.data_ptr<scalar_t>();
   const int64_t slot_stride = Hkv * D;  // a cache slot: one token's K (or V), every KV head
-  at::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cs + pos[t] * cs_row;
       const float* sin = cos + half;

@@ -26,8 +26,8 @@
 // AVX2 (CPUs without AVX-512): the same layout and widening, 8 lanes at a time; with 16
 // registers a tile is 1 row x 32 channels, 2 rows x 16 or up to 6 rows x 8.
 //
-// Blocks of channels are split across threads (at::parallel_for); rows are not. Builds with
-// neither take the plain [N, K] values (layout 0) and an ATen matmul.
+// Blocks of channels are split across threads (thread_pool.h's parallel_for); rows are not.
+// Builds with neither take the plain [N, K] values (layout 0) and an ATen matmul.
 //
 // Built on first use by kernels/cpu_ops.py with the other csrc files, joining their
 // baton_cpu library.
@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "op_library.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -244,7 +245,7 @@ void int8_linear_vector(const at::Tensor& x, const at::Tensor& packed, const flo
   const int8_t* wp = packed.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const bool widen_once = M >= kScratchRows;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     // Reused across calls: a fresh (zeroed) vector cost more than the widening it saves.
     thread_local std::vector<float> scratch;
     if (widen_once && static_cast<int64_t>(scratch.size()) < kp * kBlock) scratch.resize(kp * kBlock);
@@ -299,7 +300,7 @@ void int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float*
   const auto* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const int8_t* wp = packed.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint16_t> widened;  // reused: [pairs][32 channels][2] bf16
     if (static_cast<int64_t>(widened.size()) < kp * kBlock) widened.resize(kp * kBlock);
     alignas(64) float c[2][kAmxRows * 16];

@@ -10,7 +10,7 @@ void decode_scalar(const Decode<scalar_t>& p) {
   const int64_t num_heads = p.num_heads, D = p.head_dim, block_size = p.block_size;
   const int64_t num_kv_heads = p.num_kv_heads, group = p.group, row_stride = p.row_stride;
 
-  at::parallel_for(0, p.num_reqs, 1, [&](int64_t begin, int64_t end) {
+  baton::parallel_for(0, p.num_reqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * D), acc(num_heads * D), run_max(num_heads), run_sum(num_heads);
     std::vector<float> scores(num_heads * block_size);  // this block's, then its softmax weights
     for (int64_t r = begin; r < end; ++r) {

@@ -164,6 +164,8 @@ void run_on_threads_impl(int64_t num_threads, void (*fn)(void*), void* ctx) {
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) { fn(ctx); });
 }
 
+bool thread_pool_enabled() { return enabled.load(std::memory_order_relaxed); }
+
 // Turns the pool on or off for later calls; returns whether it was on.
 bool set_thread_pool(bool on) { return enabled.exchange(on); }
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from baton.kernels import cpu_ops
+from baton.services.model import int8_linear
 from baton.services.model.blocked_linear import BlockedWeight
 
 pytestmark = pytest.mark.skipif(
@@ -34,8 +35,9 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def _kernel_calls(seed: int) -> dict[str, torch.Tensor]:
-    """One call of each kernel that runs on the pool: blocked linear at a decode batch and at
-    a prefill's many panels, decode attention, and prefill attention."""
+    """One call of each kernel that runs on the pool, with work enough to split: the blocked
+    and int8 linears, decode attention (vector and scalar paths), the fused element-wise
+    kernels, and prefill attention."""
     weight = BlockedWeight.from_dense(_randn(1536, 512, seed=seed))
     block_size, num_kv_heads, group, head_dim = 16, 4, 2, 64
     seq_lens = [1, 17, 60, 300, 45]
@@ -54,6 +56,31 @@ def _kernel_calls(seed: int) -> dict[str, torch.Tensor]:
         "linear, 700 rows": weight(_randn(700, 512, seed=seed + 3)),
         "decode attention": cpu_ops.paged_decode_attention(decode_q, key_cache, value_cache, block_tables, lens, scale),
     }
+    # head size 48: the scalar decode path
+    q48 = torch.randn(len(seq_lens), num_kv_heads * group, 48, generator=gen)
+    k48 = torch.randn(num_blocks, block_size, num_kv_heads, 48, generator=gen)
+    v48 = torch.randn(num_blocks, block_size, num_kv_heads, 48, generator=gen)
+    out["decode attention, scalar"] = cpu_ops.paged_decode_attention(q48, k48, v48, block_tables, lens, 48**-0.5)
+    x = torch.randn(600, 512, generator=gen)  # rows enough for the fused kernels to split
+    residual = torch.randn(600, 512, generator=gen)
+    out["rms norm"], out["rms norm's residual"] = cpu_ops.rms_norm(x, torch.randn(512, generator=gen), 1e-6, residual)
+    out["silu and mul"] = cpu_ops.silu_and_mul(torch.randn(600, 2 * 1536, generator=gen))
+    query, key = torch.randn(600, 8, 64, generator=gen), torch.randn(600, 4, 64, generator=gen)
+    caches = torch.zeros(80, 16, 4, 64), torch.zeros(80, 16, 4, 64)
+    cpu_ops.rotary_embedding_and_cache(
+        torch.arange(600),
+        query,
+        key,
+        torch.randn(600, 4, 64, generator=gen),
+        torch.randn(2048, 64, generator=gen),
+        *caches,
+        torch.randperm(1280, generator=gen)[:600],
+    )
+    out["rotary query"], out["rotary key cache"], out["rotary value cache"] = query, *caches
+    if int8_linear.uses_int8_kernel(torch.device("cpu"), "cpp"):
+        int8 = int8_linear.Int8Weight.from_float(_randn(1536, 512, seed=seed + 4), "cpp")
+        out["int8 linear, 8 rows"] = int8(_randn(8, 512, seed=seed + 5))
+        out["int8 linear, 300 rows"] = int8(_randn(300, 512, seed=seed + 6))
     if cpu_ops.prefill_attention_supported(num_kv_heads * group, num_kv_heads, head_dim):
         new = torch.tensor([1, 17, 20, 300, 0], dtype=torch.int32)  # the last tokens of each context
         starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)

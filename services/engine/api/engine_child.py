@@ -150,8 +150,8 @@ class _Child:
 def environment() -> dict[str, str]:
     """The child's environment: the CPU kernels' own thread pool on, and OpenMP's workers
     passive beside it (kernels/csrc/thread_pool.h says why), unless the environment already
-    says otherwise. Served, the pool cut the decode step's CPU per token ~7% and TPOT at 3
-    req/s ~20% (docs/benchmarks.md, session 26)."""
+    says otherwise. The child shares its cores with the serving layer, where OpenMP's
+    barriers cost the most (docs/benchmarks.md, session 26, has the A/B)."""
     env = dict(os.environ)
     if env.setdefault("BATON_CPU_THREAD_POOL", "1") == "1":
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
