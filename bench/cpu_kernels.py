@@ -15,8 +15,9 @@ decode   two engines on the bench model, one with blocked weights, one with what
          runs without them (oneDNN's packed weights, or torch's matmul as above),
          alternating; decode step time at batch 1-32 (256-token prompts; the time of 48
          greedy tokens less that of 1, per token); best of 3.
-prefill  causal prefill attention of one prompt (8 query / 4 KV heads of 64, float32) over the
-         paged cache: the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
+prefill  causal prefill attention (8 query / 4 KV heads of 64, float32) over the paged cache, of
+         one prompt and of a prefix-cached step (18 requests' 112 new tokens after 912 cached):
+         the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
          `prefill_attention_ref` (gather + torch's flash attention), which the CPU ran before.
 int8     the bench model's layer shapes at 1-32 rows: the int8 linear (kernels/csrc/
          cpu_int8_linear.cpp) against the blocked float32 one, weights read from memory as in
@@ -28,6 +29,7 @@ Each prints the baseline it measured and the ratio. 2 torch threads unless --thr
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -168,20 +170,28 @@ def bench_decode(dtype: str, rounds: int) -> None:
 def bench_prefill() -> None:
     if not cpu_ops.prefill_attention_supported(8, 4, 64):
         raise SystemExit("this CPU's build has no prefill attention kernel")
-    print(f"prefill attention, one prompt, 8/4 heads of 64, float32, {torch.get_num_threads()} threads")
+    print(f"prefill attention, 8/4 heads of 64, float32, {torch.get_num_threads()} threads")
     gen = torch.Generator().manual_seed(0)
-    for length in (264, 512, 1024, 2048):
-        num_blocks = length // 16 + 1
+    # (cached, new) tokens per request: one prompt of each length, and the first step of
+    # bench/peer_vllm.py prefix (18 requests' 112 new tokens after 912 cached)
+    cases = {f"one prompt of {n}": [(0, n)] for n in (264, 512, 1024, 2048)}
+    cases["prefix-cached step"] = [(912, 112)] * 18
+    for name, requests in cases.items():
+        blocks_per_request = max(c + n for c, n in requests) // 16 + 1
+        num_blocks = blocks_per_request * len(requests)
         key_cache, value_cache = (torch.randn(num_blocks, 16, 4, 64, generator=gen) for _ in range(2))
-        table = torch.randperm(num_blocks, generator=gen)[None].to(torch.int32)
-        query = torch.randn(length, 8, 64, generator=gen)
-        starts, lens = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
-        args = (query, key_cache, value_cache, table, starts, lens, 0.125)
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(len(requests), blocks_per_request)
+        num_new = [n for _, n in requests]
+        query = torch.randn(sum(num_new), 8, 64, generator=gen)
+        starts = torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32)
+        lens = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
+        args = (query, key_cache, value_cache, table.contiguous(), starts, lens, 0.125)
         kernel = best_of(lambda a=args: cpu_ops.paged_prefill_attention(*a), 10)
         ref = best_of(lambda a=args: prefill_attention_ref(*a), 10)
-        flops = 8 * length * length * 64 * 2  # causal: half of QK^T and PV
+        # each query token sees its cached context and the new tokens up to itself
+        flops = sum(8 * 64 * 4 * (c + i + 1) for c, n in requests for i in range(n))
         print(
-            f"  {length:5} tokens: reference {ref * 1e3:7.2f} ms ({flops / ref / 1e9:4.0f} GFLOP/s), "
+            f"  {name:20}: reference {ref * 1e3:7.2f} ms ({flops / ref / 1e9:4.0f} GFLOP/s), "
             f"kernel {kernel * 1e3:7.2f} ms ({flops / kernel / 1e9:4.0f} GFLOP/s): {kernel / ref:.2f}x"
         )
 

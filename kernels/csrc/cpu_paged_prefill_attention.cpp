@@ -7,7 +7,7 @@
 // 0 .. L - Q + i. The reference gathers each request's context and calls torch's flash
 // attention, which ran at 44-82 GFLOP/s here (an AMD EPYC, 2 threads, float32).
 //
-// A task is one (request, KV head, one or two tiles of tokens). A tile's vector lanes (16
+// A task is one (request, KV head, one to four tiles of tokens). A tile's vector lanes (16
 // with AVX-512, 8 with AVX2) are its rows, (token, query head) pairs of the query heads
 // sharing that KV head (GQA), so every score, the online softmax and the weighted values are
 // lane-wise: for each chunk of as many keys as lanes,
@@ -18,7 +18,8 @@
 //
 // with k[t][d] and v[t][d] broadcast from a float32 copy of the chunk's rows, gathered
 // through the block table (so any block size works): no transposed copies of K, no
-// reductions across lanes. The queries are transposed once per task (qT [D][lanes] per
+// reductions across lanes. The next chunk's rows are prefetched into L2 meanwhile (their
+// blocks lie anywhere in the cache). The queries are transposed once per task (qT [D][lanes] per
 // tile) and the results once at the end; a task stops at its last row's position. Threads
 // take tasks from a shared counter, heaviest (request, KV head) first and its tiles one
 // after another, so a long request starts early, one request's K/V of a head stays in cache
@@ -72,6 +73,9 @@ inline vmask at_least(vint positions, int32_t pos) { return _mm512_cmpge_epi32_m
 inline vmask no_lanes() { return 0; }
 inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm512_mask_max_ps(a, m, a, b); }
 inline vfloat zero_unless(vmask m, vfloat a) { return _mm512_maskz_mov_ps(m, a); }
+// Output columns per pass of the weighted-values loop over a task's NT tiles (kColumns / NT
+// each): its accumulators, NT row vectors and a broadcast fit the 32 registers.
+constexpr int kColumns = 16;
 
 inline vfloat vclamp(vfloat x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
 inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -94,6 +98,7 @@ inline vmask at_least(vint positions, int32_t pos) {
 inline vmask no_lanes() { return _mm256_setzero_ps(); }
 inline vfloat max_where(vmask m, vfloat a, vfloat b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
 inline vfloat zero_unless(vmask m, vfloat a) { return _mm256_and_ps(m, a); }
+constexpr int kColumns = 8;  // with NT row vectors and a broadcast, within the 16 registers
 
 inline vfloat vclamp(vfloat x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
 inline vfloat vround(vfloat x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -115,6 +120,12 @@ inline vfloat vexp(vfloat x) {
   for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfma(p, f, vset(c));
   return times_pow2(p, n);
 }
+
+// Keeps a vector that a loop reuses in a register. Without it GCC folds the vector's load into
+// every FMA that reads it (a memory operand), and one load per FMA beside the broadcasts makes
+// the loop wait on loads: without it the kernel takes 1.15x as long (an AMD EPYC Zen 4, four
+// tiles a task), and the weighted-values loop ran at two thirds of the score loop's speed.
+inline void in_register(vfloat& v) { asm volatile("" : "+v"(v)); }
 
 struct Task {
   int32_t request, kv_head, first_token, num_tokens, num_keys;  // tokens within the request's chunk
@@ -145,20 +156,68 @@ inline void row_to_float(const baton_cpu::raw_t<scalar_t>* src, float* dst) {
   }
 }
 
-// Output columns per pass of the weighted-values loop, over all of a task's tiles: enough
-// independent accumulators to cover the FMA latency (one column at a time makes a chain as
-// long as the chunk, each FMA waiting for the last: the kernel 8% slower on an AVX2 EPYC),
-// few enough to stay in registers.
-constexpr int kColumns = 8;
+// The chunk's scores for keys k0 .. k0 + kLanes / NT: sbuf[i][k][lanes] = qT[i] . key k, a
+// vector of kLanes rows per tile and key. This and weighted_values are functions of their
+// own, apart from the task's loop: inlined there, their loops' register allocation changed
+// with unrelated edits around them (the kernel took 1.25x as long after one such edit).
+template <int D, int NT>
+__attribute__((noinline)) void scores(const float* qT, const float* kbuf, float* sbuf, int k0) {
+  constexpr int kKeysPerPass = kLanes / NT;  // NT * kKeysPerPass accumulators
+  vfloat s[NT][kKeysPerPass];
+  for (int i = 0; i < NT; ++i)
+    for (int t = 0; t < kKeysPerPass; ++t) s[i][t] = vzero();
+  for (int d = 0; d < D; ++d) {
+    vfloat qd[NT];
+    for (int i = 0; i < NT; ++i) {
+      qd[i] = vload(qT + (i * D + d) * kLanes);
+      in_register(qd[i]);
+    }
+    for (int t = 0; t < kKeysPerPass; ++t) {
+      const vfloat k = vset(kbuf[(k0 + t) * D + d]);
+      for (int i = 0; i < NT; ++i) s[i][t] = vfma(qd[i], k, s[i][t]);
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int t = 0; t < kKeysPerPass; ++t) vstore(sbuf + (i * kLanes + k0 + t) * kLanes, s[i][t]);
+}
 
-// One task's NT tiles of rows (NT = 1 or 2) against one chunk of keys after another. Two
-// tiles share each gathered chunk and each broadcast key or value element, which halves the
-// loads per FMA; a chunk too short for two tiles takes one, so no lanes go to waste.
+// accT[i] = accT[i] * correction[i] + sum_t P[i][t] * v[t], kColumns / NT output columns of
+// each tile at a time (NT * that many accumulators).
+template <int D, int NT>
+__attribute__((noinline)) void weighted_values(const float* sbuf, const float* vbuf, const vfloat* correction,
+                                               float* accT) {
+  constexpr int kColumnsPerTile = kColumns / NT;
+  for (int d0 = 0; d0 < D; d0 += kColumnsPerTile) {
+    vfloat acc[NT][kColumnsPerTile];
+    for (int i = 0; i < NT; ++i)
+      for (int j = 0; j < kColumnsPerTile; ++j) acc[i][j] = vload(accT + (i * D + d0 + j) * kLanes) * correction[i];
+    for (int t = 0; t < kLanes; ++t) {
+      vfloat pt[NT];
+      for (int i = 0; i < NT; ++i) {
+        pt[i] = vload(sbuf + (i * kLanes + t) * kLanes);
+        in_register(pt[i]);
+      }
+      for (int j = 0; j < kColumnsPerTile; ++j) {
+        const vfloat v = vset(vbuf[t * D + d0 + j]);
+        for (int i = 0; i < NT; ++i) acc[i][j] = vfma(pt[i], v, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < NT; ++i)
+      for (int j = 0; j < kColumnsPerTile; ++j) vstore(accT + (i * D + d0 + j) * kLanes, acc[i][j]);
+  }
+}
+
+// One task's NT tiles of rows (NT = 1, 2 or 4) against one chunk of keys after another. The
+// tiles share each gathered chunk and each broadcast key or value element, which divides the
+// gathering and the broadcasts per FMA by NT; a chunk too short for four tiles takes two or
+// one, so few lanes go to waste. kColumns / NT output columns per pass of the weighted-values
+// loop (and kLanes / NT keys per pass of the score loop) keep enough independent
+// accumulators to cover the FMA latency (one column at a time makes a chain as long as the
+// chunk, each FMA waiting for the last: the kernel 8% slower on an AVX2 EPYC).
 template <typename scalar_t, int D, int NT>
 void run_task(const Problem& p, const Task& task, float* scratch) {
-  static_assert(D % kLanes == 0 && D % kColumns == 0, "rows are copied and summed in whole vectors");
-  constexpr int kKeysPerPass = kLanes / NT;  // the score loop keeps NT * kKeysPerPass accumulators
-  constexpr int kColumnsPerTile = kColumns / NT;
+  static_assert(D % kLanes == 0 && D % kColumns == 0 && kColumns % NT == 0 && kLanes % NT == 0,
+                "rows are copied and summed in whole vectors");
   using raw = baton_cpu::raw_t<scalar_t>;
   float* qT = scratch;                   // [NT][D][kLanes]
   float* accT = qT + NT * D * kLanes;    // [NT][D][kLanes]
@@ -183,7 +242,7 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
   vint positions[NT];
   for (int i = 0; i < NT; ++i) {
     const int64_t first_token = task.first_token + i * tokens_per_tile;
-    rows[i] = std::min<int64_t>(tokens_per_tile, task.num_tokens - i * tokens_per_tile) * G;
+    rows[i] = std::clamp<int64_t>(task.num_tokens - i * tokens_per_tile, 0, tokens_per_tile) * G;
     alignas(64) int32_t qpos[kLanes];
     for (int64_t lane = 0; lane < kLanes; ++lane) {
       const bool real = lane < rows[i];
@@ -215,24 +274,17 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
       row_to_float<scalar_t, D>(kc + at, kbuf + t * D);
       row_to_float<scalar_t, D>(vc + at, vbuf + t * D);
     }
+    for (int64_t t = 0; t < std::min<int64_t>(kLanes, task.num_keys - p0 - kLanes); ++t) {
+      const int64_t pos = p0 + kLanes + t;
+      const int64_t at = table[pos / p.block_size] * block_stride + (pos % p.block_size) * row_stride + h * D;
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(raw)); byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + at) + byte, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + at) + byte, _MM_HINT_T1);
+      }
+    }
     for (int64_t t = n; t < kLanes; ++t)  // masked below; zeros keep them finite
       for (int d = 0; d < D; ++d) kbuf[t * D + d] = vbuf[t * D + d] = 0.f;
-    // scores, one vector of kLanes rows per tile and key
-    for (int k0 = 0; k0 < kLanes; k0 += kKeysPerPass) {
-      vfloat s[NT][kKeysPerPass];
-      for (int i = 0; i < NT; ++i)
-        for (int t = 0; t < kKeysPerPass; ++t) s[i][t] = vzero();
-      for (int d = 0; d < D; ++d) {
-        vfloat qd[NT];
-        for (int i = 0; i < NT; ++i) qd[i] = vload(qT + (i * D + d) * kLanes);
-        for (int t = 0; t < kKeysPerPass; ++t) {
-          const vfloat k = vset(kbuf[(k0 + t) * D + d]);
-          for (int i = 0; i < NT; ++i) s[i][t] = vfma(qd[i], k, s[i][t]);
-        }
-      }
-      for (int i = 0; i < NT; ++i)
-        for (int t = 0; t < kKeysPerPass; ++t) vstore(sbuf + (i * kLanes + k0 + t) * kLanes, s[i][t]);
-    }
+    for (int k0 = 0; k0 < kLanes; k0 += kLanes / NT) scores<D, NT>(qT, kbuf, sbuf, k0);
     // online softmax, per tile: key p0 + t is visible to the rows whose position is at least p0 + t
     vfloat correction[NT];
     for (int i = 0; i < NT; ++i) {
@@ -253,23 +305,7 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
       }
       run_sum[i] = vfma(run_sum[i], correction[i], sum);
     }
-    // weighted values
-    for (int d0 = 0; d0 < D; d0 += kColumnsPerTile) {
-      vfloat acc[NT][kColumnsPerTile];
-      for (int i = 0; i < NT; ++i)
-        for (int j = 0; j < kColumnsPerTile; ++j)
-          acc[i][j] = vload(accT + (i * D + d0 + j) * kLanes) * correction[i];
-      for (int t = 0; t < kLanes; ++t) {
-        vfloat pt[NT];
-        for (int i = 0; i < NT; ++i) pt[i] = vload(sbuf + (i * kLanes + t) * kLanes);
-        for (int j = 0; j < kColumnsPerTile; ++j) {
-          const vfloat v = vset(vbuf[t * D + d0 + j]);
-          for (int i = 0; i < NT; ++i) acc[i][j] = vfma(pt[i], v, acc[i][j]);
-        }
-      }
-      for (int i = 0; i < NT; ++i)
-        for (int j = 0; j < kColumnsPerTile; ++j) vstore(accT + (i * D + d0 + j) * kLanes, acc[i][j]);
-    }
+    weighted_values<D, NT>(sbuf, vbuf, correction, accT);
   }
 
   raw* out = baton_cpu::raw(static_cast<scalar_t*>(p.out));
@@ -287,9 +323,9 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
 
 template <typename scalar_t, int D>
 void prefill(const Problem& p, int64_t num_reqs) {
-  // Tasks: every request's chunk in pairs of tiles of kLanes / G tokens, per KV head;
+  // Tasks: every request's chunk in fours of tiles of kLanes / G tokens, per KV head;
   // heaviest first.
-  const int64_t tokens_per_task = 2 * std::max<int64_t>(1, kLanes / p.group);
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kLanes / p.group), tokens_per_task = 4 * tokens_per_tile;
   std::vector<Task> tasks;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t num_queries = p.query_start_loc[r + 1] - p.query_start_loc[r];
@@ -318,11 +354,14 @@ void prefill(const Problem& p, int64_t num_reqs) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1));
   baton::run_on_threads(num_threads, [&] {
-    // On the thread's stack (100 KB at most), not thread_local: GCC reaches a thread_local
+    // On the thread's stack (168 KB at most), not thread_local: GCC reaches a thread_local
     // through a TLS call inside the inner loops, which spills every accumulator around it.
-    alignas(64) float scratch[6 * D * kLanes + 2 * kLanes * kLanes];
+    alignas(64) float scratch[10 * D * kLanes + 4 * kLanes * kLanes];
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
-      if (tasks[t].num_tokens > tokens_per_task / 2)
+      const int64_t tiles = (tasks[t].num_tokens + tokens_per_tile - 1) / tokens_per_tile;
+      if (tiles > 2)
+        run_task<scalar_t, D, 4>(p, tasks[t], scratch);
+      else if (tiles == 2)
         run_task<scalar_t, D, 2>(p, tasks[t], scratch);
       else
         run_task<scalar_t, D, 1>(p, tasks[t], scratch);

@@ -18,7 +18,8 @@ needs_kernel = pytest.mark.skipif(
 )
 
 # Full prefills of 1 and 17 tokens, a chunk after 40 cached tokens, a 2-token prefix-cache
-# tail, a request with no queries this step, and a chunk spanning several tiles.
+# tail, a request with no queries this step, and a chunk spanning several tiles. With 16
+# lanes, tasks of four tiles, two and one, and four with the last empty (45 tokens at gqa1).
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
 
 
