@@ -3,6 +3,7 @@ round, the order alternating, loaded with the vLLM comparison's loads.
 
     python bench/serving_ab.py core-process [--rounds 3] [--quick]
     python bench/serving_ab.py thread-pool [--rounds 3] [--quick]
+    python bench/serving_ab.py local-sockets [--rounds 3] [--quick]
 
 core-process  the engine core in a process of its own (`engine.runner.core_process: true`,
               the default for a one-rank replica) against the engine loop on a thread of the
@@ -10,6 +11,9 @@ core-process  the engine core in a process of its own (`engine.runner.core_proce
 thread-pool   the CPU kernels on their own thread pool in the engine's process (the default
               there: kernels/csrc/thread_pool.h) against OpenMP (`BATON_CPU_THREAD_POOL=0`
               in the server's environment).
+local-sockets output channels on a Unix socket between the gateway and the engine replica
+              on its node (`gateway.local_output_sockets: true`, the default) against Ray
+              streams (`false`).
 
 The server is the vLLM comparison's (bench/peer_vllm_serving.py: one colocated replica on
 both cores, 16,384 KV blocks, 2048-token steps), loaded with its warm-up and loads (the same
@@ -42,6 +46,10 @@ COMPARISONS = {
     "thread-pool": {
         "pool": Arm(),
         "openmp": Arm(env=(("BATON_CPU_THREAD_POOL", "0"),)),
+    },
+    "local-sockets": {
+        "socket": Arm(sets=("gateway.local_output_sockets=true",)),
+        "ray": Arm(sets=("gateway.local_output_sockets=false",)),
     },
 }
 

@@ -35,6 +35,7 @@ class OpenChannel:
 
     channel: str
     replica: str
+    node: str = ""  # the gateway's Ray node: a replica on it offers a local socket (local_channel.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,14 @@ class MovedToChannel:
     """On a call's stream: every later output of the call comes on its channel, from this replica."""
 
     replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartsOnChannel:
+    """On a channel, ahead of a request's first output there: nothing of the request went on
+    its call's own stream, so the gateway may follow the channel before MovedToChannel comes."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)

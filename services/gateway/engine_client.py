@@ -109,12 +109,20 @@ async def resume_on(
 
 
 _CHANNELS: Channels | None = None  # this process's (a gateway replica's), made in its event loop
+_LOCAL_SOCKETS = True  # gateway.local_output_sockets
+
+
+def use_local_sockets(enabled: bool) -> None:
+    """Whether this process's channels to replicas on its node take a Unix socket (set before
+    the first request)."""
+    global _LOCAL_SOCKETS
+    _LOCAL_SOCKETS = enabled
 
 
 def channels() -> Channels:
     global _CHANNELS
     if _CHANNELS is None:
-        _CHANNELS = Channels()
+        _CHANNELS = Channels(node=None if _LOCAL_SOCKETS else "")
     return _CHANNELS
 
 
@@ -131,12 +139,13 @@ async def streamed(
                 yield output
         return
     hub = channels()
-    queue = hub.register(call.request_id)
+    queue, started = hub.register(call.request_id)
     try:
         call.channel = hub.channel_id
         response = getattr(handle.options(stream=True), method).remote(argument)
         on_channel = lambda replica, call_stream: hub.follow(queue, call_stream)  # noqa: E731
-        async with aclosing(until_finished(response, role, lambda r: hub.offered(r, handle), on_channel)) as outputs:
+        offered = lambda replica: hub.offered(replica, handle)  # noqa: E731
+        async with aclosing(until_finished(response, role, offered, on_channel, started)) as outputs:
             async for output in outputs:
                 yield output
     finally:
@@ -145,21 +154,31 @@ async def streamed(
 
 
 async def until_finished(
-    response: Any, role: str, offered: Any = None, on_channel: Any = None
+    response: Any, role: str, offered: Any = None, on_channel: Any = None, started: asyncio.Future | None = None
 ) -> AsyncIterator[RequestOutput]:
     """A Serve streaming response's outputs; leaving early cancels the request downstream.
     The first answer is `guarded`: `role` losing its last replica ends the wait.
 
     A ChannelOffer on the stream goes to `offered(replica)`; after MovedToChannel the outputs
-    are `on_channel(replica, rest of the stream)`'s (gateway/output_channels.py).
+    are `on_channel(replica, rest of the stream)`'s (gateway/output_channels.py). `started`
+    set (the replica announced the request on the channel, with nothing of it on this
+    stream) moves there at once, without waiting for the marker to come on this stream.
 
     Callers iterate it under `aclosing`, so the cancel happens when they stop, not when the
     generator is collected."""
     finished = False
     items = response.__aiter__()
+    following = asyncio.ensure_future(items.__anext__())
     try:
-        item = await guarded(items.__anext__(), role)
+        await guarded(_first_of(following, started), role)
         while True:
+            if started is not None and started.done() and not started.cancelled():
+                async with aclosing(on_channel(None, _rest(following, items))) as outputs:
+                    async for output in outputs:
+                        finished = output.finished
+                        yield output
+                return
+            item = await following
             if isinstance(item, ChannelOffer):
                 offered(item.replica)
             elif isinstance(item, MovedToChannel):
@@ -169,14 +188,33 @@ async def until_finished(
                         yield output
                 return
             else:
+                started = None  # an output on this stream: the request cannot start on the channel
                 finished = item.finished
                 yield item
-            item = await items.__anext__()
+            following = asyncio.ensure_future(items.__anext__())
+            await _first_of(following, started)
     except StopAsyncIteration:
         return
     finally:
+        if not following.done():
+            following.cancel()
         if not finished:
             response.cancel()
+
+
+async def _first_of(following: asyncio.Future, started: asyncio.Future | None) -> None:
+    """Until the stream's next item is there, or the request has started on its channel."""
+    await asyncio.wait({following} if started is None else {following, started}, return_when=asyncio.FIRST_COMPLETED)
+
+
+async def _rest(following: asyncio.Future, items: Any) -> AsyncIterator[Any]:
+    """The stream's items from the one `following` awaits."""
+    try:
+        yield await following
+    except StopAsyncIteration:
+        return
+    async for item in items:
+        yield item
 
 
 async def guarded(first_answer: Awaitable[T], role: str) -> T:

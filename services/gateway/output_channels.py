@@ -3,7 +3,9 @@ stream per engine replica that brings every step's outputs of this gateway's req
 handed out to each request's queue.
 
 A request registers its queue before its call goes out (`Channels.register`), so no output
-that comes on the channel before the call's own `MovedToChannel` marker is dropped. A
+that comes on the channel before the call's own `MovedToChannel` marker is dropped; one the
+replica announces on the channel (`StartsOnChannel`: none of its outputs on its call's own
+stream) is followed from then on, without waiting for that marker's hop. A
 replica that offers the channel gets it opened, once (`offered`); the channel's end (the
 replica closed it when idle, or it failed) removes it, and the replica's next offer opens it
 again. A channel that cannot be opened within OPEN_TIMEOUT_S (the replica is gone) is
@@ -14,12 +16,17 @@ its end or error is put in the same queue (`follow`), so a replica that dies fai
 request exactly as without channels, and leaving cancels the call. A request whose reader
 fell behind gets the outputs waiting in its queue as one delta (as the worker merges its
 own backlog), so the hop after the gateway carries fewer messages too.
+
+A replica on this gateway's Ray node offers a Unix socket for the batches
+(services/local_channel.py). If connecting to it fails, that replica's channel is opened as
+a Ray stream from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.api.outputs import RequestOutput, merge_deltas
-from ..worker_calls import OpenChannel
+from ..local_channel import LocalSocket, frame, ray_node_id, read_frame
+from ..worker_calls import OpenChannel, StartsOnChannel
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +54,27 @@ class Channels:
     """One per gateway process: its channel id, the open channels by replica, and the queues of
     the requests in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str | None = None) -> None:
         self.channel_id = f"gw-{uuid.uuid4().hex}"
+        self.node = ray_node_id() if node is None else node  # "": no replica is local
         self._queues: dict[str, asyncio.Queue] = {}
+        self._starts: dict[str, asyncio.Future] = {}  # request id -> set when it starts on a channel
         self._opening: dict[str, asyncio.Task] = {}  # replica address -> its channel's reader
         self._failed_at: dict[str, float] = {}  # replica address -> when opening it failed
+        self._no_socket: set[str] = set()  # replicas whose socket could not be connected to
 
-    def register(self, request_id: str) -> asyncio.Queue:
+    def register(self, request_id: str) -> tuple[asyncio.Queue, asyncio.Future]:
+        """The request's queue, and a future set when a replica announces it on a channel
+        (StartsOnChannel: all its outputs come there, none on its call's own stream)."""
         queue = self._queues[request_id] = asyncio.Queue()
-        return queue
+        started = self._starts[request_id] = asyncio.get_running_loop().create_future()
+        return queue, started
 
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        started = self._starts.pop(request_id, None)
+        if started is not None:
+            started.cancel()
 
     def offered(self, replica: str, handle: Any) -> None:
         """Opens the channel to `replica` (a Serve replica id of `handle`'s deployment) unless
@@ -105,10 +122,10 @@ class Channels:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _read(self, replica: str, handle: Any) -> None:
-        response = handle.options(stream=True).open_channel.remote(OpenChannel(self.channel_id, replica))
-        batches = response.__aiter__()
+        node = "" if replica in self._no_socket else self.node
+        response = handle.options(stream=True).open_channel.remote(OpenChannel(self.channel_id, replica, node))
         try:
-            await asyncio.wait_for(batches.__anext__(), OPEN_TIMEOUT_S)  # [] once open
+            batches, writer = await self._opened(replica, response)
         except (Exception, asyncio.CancelledError) as error:
             response.cancel()
             self._opening.pop(replica, None)
@@ -117,10 +134,15 @@ class Channels:
                 logger.warning("output channel to %s not opened (%s): its requests stream on their own", replica, error)
             return
         self._failed_at.pop(replica, None)
-        queues = self._queues
+        queues, starts = self._queues, self._starts
         try:
             async for batch in batches:
                 for output in batch:
+                    if isinstance(output, StartsOnChannel):
+                        started = starts.get(output.request_id)
+                        if started is not None and not started.done():
+                            started.set_result(None)
+                        continue
                     queue = queues.get(output.request_id)
                     if queue is not None:  # None: the request left; its call was cancelled
                         queue.put_nowait(output)
@@ -131,6 +153,31 @@ class Channels:
             logger.info("output channel to %s ended: %s", replica, error)
         finally:
             self._opening.pop(replica, None)
+            if writer is not None:  # the call only kept the channel open: its end is the socket's
+                writer.close()
+                response.cancel()
+
+    async def _opened(
+        self, replica: str, response: Any
+    ) -> tuple[AsyncIterator[list[RequestOutput]], asyncio.StreamWriter | None]:
+        """The channel's batches once open: the call's own stream, or the socket the replica
+        offered on it (and the socket's writer, to close it)."""
+        batches = response.__aiter__()
+        first = await asyncio.wait_for(batches.__anext__(), OPEN_TIMEOUT_S)  # [] once open
+        if not isinstance(first, LocalSocket):
+            return batches, None
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(first.path), OPEN_TIMEOUT_S)
+        except Exception:
+            self._no_socket.add(replica)  # its next offer opens a Ray stream instead
+            raise
+        writer.write(frame(self.channel_id.encode()))
+        return _socket_batches(reader), writer
+
+
+async def _socket_batches(reader: asyncio.StreamReader) -> AsyncIterator[list[RequestOutput]]:
+    while (payload := await read_frame(reader)) is not None:
+        yield pickle.loads(payload)
 
 
 async def _drain(call_stream: Any) -> None:

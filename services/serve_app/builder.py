@@ -15,7 +15,7 @@ from ..autoscaling.scale_to_zero import cold_start_waits
 from ..config import BatonConfig, Role
 from ..disaggregation.client import DisaggregatedClient
 from ..gateway.api_keys import ApiKeys, AuthConfig
-from ..gateway.engine_client import ColocatedClient, EngineClient
+from ..gateway.engine_client import ColocatedClient, EngineClient, use_local_sockets
 from ..gateway.gateway import Gateway
 from ..gateway.migration import DEFAULT_MAX_MIGRATIONS, MigratingClient
 from ..gateway.proxy_hook import setup_proxy
@@ -46,7 +46,9 @@ class ServeGateway(Gateway):
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         cold_starts: dict[str, float] | None = None,
         multiplex: bool = True,
+        local_sockets: bool = True,
     ) -> None:
+        use_local_sockets(local_sockets)
         for role, timeout_s in (cold_starts or {}).items():  # roles at zero are waited for, not refused
             LIVE_REPLICAS.allow_cold_start(role, timeout_s)
         if os.environ.get(DIRECT_INGRESS_ENV) == "1":  # this replica binds the ports: as the proxy would
@@ -103,6 +105,7 @@ def build_app(config: BatonConfig, grace_period_s: float | None = None):
         config.gateway.max_migrations,
         cold_start_waits(config),
         config.gateway.multiplex_outputs,
+        config.gateway.local_output_sockets,
     )
 
 

@@ -25,6 +25,7 @@ from ..engine.api.sampling_params import RequestOutputKind
 from ..engine.config import EngineConfig
 from ..engine.stats import EngineStats
 from ..kv_transfer.config import FaultInjection
+from ..local_channel import ray_node_id
 from ..metrics import EngineMetrics
 from ..replica_ports import bind_to_node_ip
 from ..roles import Role
@@ -75,7 +76,7 @@ class EngineWorker:
         )
         if router_config is not None:
             self.agent = WorkerAgent.from_config(router_config, self.info)
-        self.channels = OutputChannels(address)
+        self.channels = OutputChannels(address, ray_node_id())
         self.llm = AsyncLLM(
             _with_core_process(engine_config),
             kv_event_publisher=self.agent.publisher if self.agent else None,
@@ -102,13 +103,15 @@ class EngineWorker:
 
     async def open_channel(self, open_channel: OpenChannel) -> AsyncIterator[list[RequestOutput]]:
         """A gateway's output channel on this replica (workers/output_channels.py)."""
-        async with aclosing(self.channels.serve(open_channel.channel)) as batches:
+        async with aclosing(self.channels.serve(open_channel.channel, open_channel.node)) as batches:
             async for batch in batches:
                 yield batch
 
-    async def channel_counts(self) -> tuple[int, int]:
-        """(messages, outputs) sent on output channels since start: how much they coalesce."""
-        return self.channels.num_messages, self.channels.num_outputs
+    async def channel_counts(self) -> tuple[int, int, int]:
+        """(messages, outputs, messages on a local socket) sent on output channels since start:
+        how much they coalesce, and how many bypassed Ray."""
+        channels = self.channels
+        return channels.num_messages, channels.num_outputs, channels.num_socket_messages
 
     async def _generated(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         self._admit(call)
@@ -340,6 +343,9 @@ class EngineWorker:
         self.shutdown()
 
     def shutdown(self) -> None:
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
         stop = getattr(self, "_metrics_stop", None)
         if stop is not None:
             stop.set()

@@ -3,7 +3,7 @@
 The layers, bottom to top (a package imports only from its own files and from lower layers;
 packages that share a layer stay independent of each other):
 
-    roles, ray_env, metrics, the root __init__   leaves: import nothing of services
+    roles, ray_env, metrics, local_channel, the root __init__   leaves: import nothing of services
     model                  the model's layers and its loader
     kv_transfer            the KV handover's transports
     engine                 scheduler, KV cache, model runner; LLM and AsyncLLM
@@ -32,7 +32,7 @@ from testlib.import_graph import Import, find_cycle, imports, module_names, top_
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "roles", "ray_env", "replica_ports", "metrics", "client_tls"),
+    ("__init__", "roles", "ray_env", "replica_ports", "metrics", "client_tls", "local_channel"),
     ("model",),
     ("kv_transfer",),
     ("engine",),

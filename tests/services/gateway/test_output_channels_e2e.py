@@ -1,9 +1,11 @@
 """Output channels through real serving (a local Ray cluster, one colocated replica): the
 streams of concurrent requests arrive over gRPC and HTTP exactly as the engine produces them
 offline, the replica sends fewer messages than outputs (the point of the channel), and a
-client that leaves a stream on the channel ends its request on the engine. The same tests run
-with the channels off (`gateway.multiplex_outputs: false`: a Ray stream per request), where
-no output goes on a channel."""
+client that leaves a stream on the channel ends its request on the engine. The gateway and
+the replica share the cluster's one node, so the channel is a Unix socket; the same tests run
+with the channel on a Ray stream (`gateway.local_output_sockets: false`), and with the
+channels off (`gateway.multiplex_outputs: false`: a Ray stream per request), where no output
+goes on a channel."""
 
 from __future__ import annotations
 
@@ -24,11 +26,14 @@ PROMPTS = [f"Stream {i}: the quick brown fox jumps over" for i in range(8)]
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["channels", "per-request"])
+@pytest.fixture(
+    scope="module", params=[(True, True), (True, False), (False, False)], ids=["socket", "ray-stream", "per-request"]
+)
 def deployment(request):
+    multiplex, local = request.param
     overrides = {
         "mode": "colocated",
-        "gateway": {"multiplex_outputs": request.param},
+        "gateway": {"multiplex_outputs": multiplex, "local_output_sockets": local},
         "engine": {"model": {"max_model_len": 1024}, "cache": {"num_kv_blocks": 512}},
     }
     with local_baton(overrides) as deployment:
@@ -49,6 +54,10 @@ def multiplexed(deployment) -> bool:
     return deployment.config.gateway.multiplex_outputs
 
 
+def on_socket(deployment) -> bool:
+    return multiplexed(deployment) and deployment.config.gateway.local_output_sockets
+
+
 def worker():
     from ray import serve
 
@@ -56,7 +65,7 @@ def worker():
 
 
 def test_concurrent_grpc_streams_share_the_channel_and_equal_offline(deployment, offline):
-    messages0, outputs0 = worker().channel_counts.remote().result()
+    messages0, outputs0, socket0 = worker().channel_counts.remote().result()
     tokens: dict[str, list[int]] = {}
     errors: list[BaseException] = []
     with grpc_client(deployment) as client:
@@ -75,16 +84,20 @@ def test_concurrent_grpc_streams_share_the_channel_and_equal_offline(deployment,
             thread.join(timeout=180)
     assert not errors, errors[:3]
     assert tokens == offline
-    messages, outputs = worker().channel_counts.remote().result()
+    messages, outputs, on_sockets = worker().channel_counts.remote().result()
     if not multiplexed(deployment):
         assert (messages, outputs) == (messages0, outputs0)  # nothing went on a channel
         return
     assert outputs - outputs0 > 0  # the outputs came on the channel
     assert messages - messages0 < outputs - outputs0  # several requests' outputs per message
+    if on_socket(deployment):
+        assert on_sockets - socket0 == messages - messages0  # every message on the socket
+    else:
+        assert on_sockets == socket0 == 0
 
 
 def test_an_http_stream_on_the_channel_equals_offline(deployment, offline):
-    _, outputs0 = worker().channel_counts.remote().result()
+    _, outputs0, _ = worker().channel_counts.remote().result()
     body = {
         "model": deployment.config.served_model_name,
         "prompt": PROMPTS[3],
@@ -104,7 +117,7 @@ def test_an_http_stream_on_the_channel_equals_offline(deployment, offline):
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: ") :])
                 token_ids += chunk["choices"][0].get("token_ids") or []
-    _, outputs = worker().channel_counts.remote().result()
+    _, outputs, _ = worker().channel_counts.remote().result()
     assert (outputs > outputs0) == multiplexed(deployment)
     assert token_ids == offline[PROMPTS[3]]
 

@@ -34,7 +34,7 @@ class CallStream:
 
 async def test_a_backlog_comes_as_one_delta_and_the_stream_stops_at_the_finished_output():
     hub = Channels()
-    queue = hub.register("r")
+    queue, _ = hub.register("r")
     for output in (delta([1]), delta([2, 3]), delta([4], finished=True)):
         queue.put_nowait(output)
     call = CallStream()
@@ -45,7 +45,7 @@ async def test_a_backlog_comes_as_one_delta_and_the_stream_stops_at_the_finished
 
 async def test_outputs_that_arrive_one_by_one_are_streamed_one_by_one():
     hub = Channels()
-    queue = hub.register("r")
+    queue, _ = hub.register("r")
     call = CallStream()
     seen = []
 
@@ -63,7 +63,7 @@ async def test_outputs_that_arrive_one_by_one_are_streamed_one_by_one():
 
 async def test_the_calls_error_is_raised_after_the_outputs_before_it():
     hub = Channels()
-    queue = hub.register("r")
+    queue, _ = hub.register("r")
     call = CallStream()
     queue.put_nowait(delta([1]))
     call.end.set_exception(RuntimeError("replica died"))
@@ -76,7 +76,7 @@ async def test_the_calls_error_is_raised_after_the_outputs_before_it():
 
 async def test_a_clean_end_of_the_call_waits_for_the_outputs_still_on_their_way():
     hub = Channels()
-    queue = hub.register("r")
+    queue, _ = hub.register("r")
     call = CallStream()
     call.end.set_result(None)  # the worker's generator returned; the channel is behind
     await asyncio.sleep(0)
