@@ -168,17 +168,20 @@ async def until_finished(
     generator is collected."""
     finished = False
     items = response.__aiter__()
-    following = asyncio.ensure_future(items.__anext__())
+    # The next item as a task only while `started` may still win the race: the first answer,
+    # and markers before any output; after that each item is awaited as it comes.
+    following: asyncio.Future | None = asyncio.ensure_future(items.__anext__())
     try:
         await guarded(_first_of(following, started), role)
         while True:
-            if started is not None and started.done() and not started.cancelled():
+            if following is not None and started is not None and started.done() and not started.cancelled():
                 async with aclosing(on_channel(None, _rest(following, items))) as outputs:
                     async for output in outputs:
                         finished = output.finished
                         yield output
                 return
-            item = await following
+            item = await (following if following is not None else items.__anext__())
+            following = None
             if isinstance(item, ChannelOffer):
                 offered(item.replica)
             elif isinstance(item, MovedToChannel):
@@ -191,12 +194,13 @@ async def until_finished(
                 started = None  # an output on this stream: the request cannot start on the channel
                 finished = item.finished
                 yield item
-            following = asyncio.ensure_future(items.__anext__())
-            await _first_of(following, started)
+            if started is not None:
+                following = asyncio.ensure_future(items.__anext__())
+                await _first_of(following, started)
     except StopAsyncIteration:
         return
     finally:
-        if not following.done():
+        if following is not None and not following.done():
             following.cancel()
         if not finished:
             response.cancel()
