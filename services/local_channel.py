@@ -29,10 +29,8 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!I")  # a frame: its payload's length, then the payload
 MAX_CHANNEL_ID_BYTES = 256
-NAME_TIMEOUT_S = 10.0
-_MAX_SOCKET_PATH = (
-    100  # sockaddr_un holds 108 bytes on Linux  # a connection that has not named its channel by then is closed
-)
+NAME_TIMEOUT_S = 10.0  # a connection that has not named its channel by then is closed
+_MAX_SOCKET_PATH = 100  # sockaddr_un holds 108 bytes on Linux
 
 
 @dataclass(frozen=True, slots=True)
