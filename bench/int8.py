@@ -1,9 +1,10 @@
-"""Weight-only int8 against float32: the bench model's decode and prefill, one process.
+"""int8 against float32: the bench model's decode and prefill, one process.
 
-    python bench/int8.py [--rounds 5] [--threads 2] [--context 256] [--steps 32]
+    python bench/int8.py [--rounds 5] [--threads 2] [--context 256] [--steps 32] [--arms int8,w8a8]
 
-Two engines on the same checkpoint, float32 and quantization="int8" (services/model/int8_linear.py),
-prefix caching off so every prompt is computed. Decode step: for batch 1, 2, 4 and 8 with
+Engines on the same checkpoint, float32 and each quantization of --arms: "int8" (weight-only,
+services/model/int8_linear.py) and "w8a8" (int8 activations too, per token,
+services/model/w8a8_linear.py), prefix caching off so every prompt is computed. Decode step: for batch 1, 2, 4 and 8 with
 prompts of --context random tokens, (time of --steps + 1 greedy tokens - time of 1 token) /
 --steps; prefill: one 1024-token prompt and eight 256-token prompts, to their first token.
 The arms alternate every round; each arm's best round is its number (others' work on a
@@ -15,8 +16,8 @@ bandwidth is torch's copy of a 64 MiB and of a 1 GiB float32 buffer (bytes read 
 written, per second): on this Xeon the 480 MiB L3 holds the first and not the second, and
 the bench model's weights (134 MB float32, 34 MB int8) fit in it.
 
-Agreement: int8 scored on float32's greedy continuations (teacher-forced): the share of
-positions where int8's argmax is float32's token, and the mean |logprob difference| of that
+Agreement: each quantized arm scored on float32's greedy continuations (teacher-forced): the share of
+positions where its argmax is float32's token, and the mean |logprob difference| of that
 token; and free-running, the share of greedy tokens before the first difference.
 """
 
@@ -91,10 +92,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--arms", default="int8,w8a8", help="quantizations to compare with float32")
     args = parser.parse_args()
+    arms = [arm for arm in args.arms.split(",") if arm]
     model = str(bench_model())
     common = dict(num_kv_blocks=4096, num_threads=args.threads, enable_prefix_caching=False, dtype="float32")
-    engines = {"float32": LLM(model=model, **common), "int8": LLM(model=model, quantization="int8", **common)}
+    engines = {"float32": LLM(model=model, **common)}
+    engines.update({arm: LLM(model=model, quantization=arm, **common) for arm in arms})
     rng = random.Random(0)
 
     def prompts(n: int, length: int) -> list[list[int]]:
@@ -125,23 +129,32 @@ def main() -> None:
     )
     print("weight bytes per decode step: " + ", ".join(f"{n} {b / 1e6:.1f} MB" for n, b in weights.items()))
     for batch in BATCHES:
-        f32, int8 = min(decode["float32", batch]), min(decode["int8", batch])
+        step = {name: min(decode[name, batch]) for name in engines}
         mbu = {
             name: " / ".join(f"{weights[name] / (t / 1e3) / bw:.0%}" for bw in bandwidth.values())
-            for name, t in (("float32", f32), ("int8", int8))
+            for name, t in step.items()
         }
         print(
-            f"  decode batch {batch}: float32 {f32:6.2f} ms, int8 {int8:6.2f} ms: {f32 / int8:.2f}x faster; "
-            f"MBU (64 MiB / 1 GiB copy) float32 {mbu['float32']}, int8 {mbu['int8']}"
+            f"  decode batch {batch}: "
+            + ", ".join(f"{name} {t:6.2f} ms" for name, t in step.items())
+            + "".join(f"; {arm} {step['float32'] / step[arm]:.2f}x faster" for arm in arms)
+            + "; MBU (64 MiB / 1 GiB copy) "
+            + ", ".join(f"{name} {m}" for name, m in mbu.items())
         )
     for shape in ("1x1024", "8x256"):
-        f32, int8 = min(prefill["float32", shape]), min(prefill["int8", shape])
-        print(f"  prefill {shape}: float32 {f32:7.1f} ms, int8 {int8:7.1f} ms: int8 takes {int8 / f32:.2f}x")
-    agree, error, free = agreement(engines["float32"], engines["int8"], prompts(8, 32), 32)
-    print(
-        f"agreement (8 prompts x 32 tokens): teacher-forced argmax {agree:.1%}, mean |logprob diff| {error:.3f}; "
-        f"free-running greedy tokens before the first difference {free:.1%}"
-    )
+        took = {name: min(prefill[name, shape]) for name in engines}
+        print(
+            f"  prefill {shape}: "
+            + ", ".join(f"{name} {t:7.1f} ms" for name, t in took.items())
+            + "".join(f"; {arm} takes {took[arm] / took['float32']:.2f}x" for arm in arms)
+        )
+    scored = prompts(8, 32)
+    for arm in arms:
+        agree, error, free = agreement(engines["float32"], engines[arm], scored, 32)
+        print(
+            f"{arm} agreement (8 prompts x 32 tokens): teacher-forced argmax {agree:.1%}, mean |logprob diff| "
+            f"{error:.3f}; free-running greedy tokens before the first difference {free:.1%}"
+        )
 
 
 if __name__ == "__main__":

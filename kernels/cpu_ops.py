@@ -29,6 +29,7 @@ SOURCES = [
         "cpu_paged_decode_attention.cpp",
         "cpu_fused_ops.cpp",
         "cpu_int8_linear.cpp",
+        "cpu_w8a8_linear.cpp",
         "cpu_blocked_linear.cpp",
         "cpu_paged_prefill_attention.cpp",
         "thread_pool.cpp",

@@ -31,11 +31,13 @@ class ModelConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Context limit (prompt + output); defaults to the model's own"
     )
-    quantization: Literal["int8"] | None = Field(
+    quantization: Literal["int8", "w8a8"] | None = Field(
         None,
         description="int8: weight-only int8 linear layers and LM head (symmetric, one scale per output channel), "
-        "float checkpoints quantized at load; None: as the checkpoint stores them (a compressed-tensors "
-        "W8A16 checkpoint loads int8, model/compressed_tensors.py). Activations keep `dtype`",
+        "float checkpoints quantized at load, activations in `dtype`; w8a8: the same int8 weights, and the "
+        "linear layers' activations quantized to int8 per token on every call (the LM head stays weight-only; "
+        "fast on CPUs with AVX512-VNNI, model/w8a8_linear.py); None: as the checkpoint stores them (a "
+        "compressed-tensors W8A16 checkpoint loads int8, model/compressed_tensors.py)",
     )
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded requests)")
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for")

@@ -1,6 +1,6 @@
-"""Loads int8 weight-only checkpoints in the layout llm-compressor writes for its W8A16
-scheme and vLLM serves: compressed-tensors, format "pack-quantized", 8-bit symmetric
-per-output-channel int weights. config.json carries
+"""Loads int8 checkpoints in the layouts llm-compressor writes for its W8A16 and W8A8 schemes
+and vLLM serves: compressed-tensors, 8-bit symmetric per-output-channel int weights, format
+"pack-quantized" (W8A16) or "int-quantized" (W8A8). A W8A16 config.json carries
 
     "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
@@ -15,9 +15,18 @@ and each quantized linear `X` stores, in place of `X.weight`:
     X.weight_scale   [N, 1]          one scale per output channel (the model's dtype)
     X.weight_shape   int [2]         (N, K)
 
+W8A8 ("int-quantized") stores `X.weight` as int8 [N, K] beside `X.weight_scale`, and its
+groups quantize the activations dynamically per token:
+
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token",
+                          "dynamic": true, "group_size": null, "actorder": null}
+
+so its layers multiply with int8 activations (w8a8_linear.py), as quantization "w8a8" does;
+an LM head quantized there keeps float activations (the logits), as under "w8a8".
+
 Layers named in "ignore" (and the embedding) keep a float `X.weight`. Anything else (other
-bit widths, groups, asymmetric or activation quantization, sparsity, another quant_method or
-format) is refused by name.
+bit widths, groups, asymmetric weights, static or per-tensor activation scales, output
+activations, sparsity, another quant_method or format) is refused by name.
 
 Loading goes through the float loaders, so every TP rank reads just its shard as before:
 `X.weight` arrives holding the integer values q (exact in float32, bfloat16 and float16),
@@ -50,6 +59,16 @@ _SUPPORTED_WEIGHTS = {
     "dynamic": False,
     "actorder": None,
 }
+_SUPPORTED_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+    "group_size": None,
+    "actorder": None,
+}
+_FORMATS = ("pack-quantized", "int-quantized")
 _PACKED, _SCALE, _SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"
 
 
@@ -61,7 +80,8 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
         return None
     where = f"{path}: quantization_config"
     _expect(config.get("quant_method"), "compressed-tensors", f"{where}.quant_method")
-    _expect(config.get("format"), "pack-quantized", f"{where}.format")
+    if config.get("format") not in _FORMATS:
+        raise ModelLoadError(f"{where}.format is {config.get('format')!r}: only {' or '.join(_FORMATS)} is supported")
     _expect(config.get("quantization_status", "compressed"), "compressed", f"{where}.quantization_status")
     if config.get("sparsity_config"):
         raise ModelLoadError(f"{where}.sparsity_config: sparse checkpoints are not supported")
@@ -70,27 +90,40 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     groups = config.get("config_groups") or {}
     if not groups:
         raise ModelLoadError(f"{where}.config_groups is empty")
+    activations = set()
     for name, group in groups.items():
         at = f"{where}.config_groups.{name}"
-        if group.get("format", "pack-quantized") != "pack-quantized":
-            raise ModelLoadError(f"{at}.format {group['format']!r} is not supported (pack-quantized only)")
-        for field in ("input_activations", "output_activations"):
-            if group.get(field):
-                raise ModelLoadError(f"{at}.{field}: activation quantization is not supported (weight-only int8)")
+        if group.get("format", config["format"]) != config["format"]:
+            raise ModelLoadError(f"{at}.format {group['format']!r} differs from {config['format']!r}")
+        if group.get("output_activations"):
+            raise ModelLoadError(f"{at}.output_activations: output quantization is not supported")
         weights = group.get("weights") or {}
         for field, supported in _SUPPORTED_WEIGHTS.items():
             _expect(weights.get(field, supported), supported, f"{at}.weights.{field}")
+        inputs = group.get("input_activations") or {}
+        for field, supported in _SUPPORTED_ACTIVATIONS.items():
+            _expect(inputs.get(field, supported), supported, f"{at}.input_activations.{field}")
+        activations.add(bool(inputs))
+    if len(activations) > 1:
+        raise ModelLoadError(f"{where}.config_groups: weight-only and W8A8 groups in one checkpoint are not supported")
     return config
+
+
+def int8_activations(config: dict[str, Any]) -> bool:
+    """Whether a checked quantization_config quantizes its layers' activations (W8A8)."""
+    return any(group.get("input_activations") for group in config["config_groups"].values())
 
 
 def load_quantized_weights(model: nn.Module, model_dir: str | Path) -> CheckpointLayout:
     """`load_weights` for a checkpoint of either kind (module docstring). The layout it
     returns names the float tensors an update writes (`X.weight`), not the scales."""
-    if read_quantization_config(model_dir) is None:
+    config = read_quantization_config(model_dir)
+    if config is None:
         return load_weights(model, model_dir)
+    marker = _PACKED if config["format"] == "pack-quantized" else _SCALE  # int-quantized: X.weight is int8
     for name, _ in iter_checkpoint(model_dir):
-        if name.endswith(_PACKED):
-            _stage_scale(model, name[: -len(_PACKED)] + ".weight")
+        if name.endswith(marker):
+            _stage_scale(model, name[: -len(marker)] + ".weight", int8_activations(config))
     layout = load_weights(model, model_dir, _float_tensors(model_dir))
     return CheckpointLayout({name: shape for name, shape in layout.shapes.items() if not name.endswith(_SCALE)})
 
@@ -113,7 +146,10 @@ def pack_int32(q: torch.Tensor) -> torch.Tensor:
 
 def _expect(value: Any, supported: Any, what: str) -> None:
     if value != supported:
-        raise ModelLoadError(f"{what} is {value!r}: only {supported!r} is supported (int8 weight-only, per channel)")
+        raise ModelLoadError(
+            f"{what} is {value!r}: only {supported!r} is supported "
+            "(int8 weights per channel; activations float, or int8 dynamic per token)"
+        )
 
 
 def _float_tensors(model_dir: str | Path) -> Iterator[tuple[str, LoadedWeight]]:
@@ -139,13 +175,15 @@ def _float_tensors(model_dir: str | Path) -> Iterator[tuple[str, LoadedWeight]]:
             yield name, tensor
 
 
-def _stage_scale(model: nn.Module, weight_name: str) -> None:
+def _stage_scale(model: nn.Module, weight_name: str, activations: bool) -> None:
     """Adds `weight_scale` [rows, 1] to the layer `weight_name` loads into (once for merged
-    layers), loaded as the weight's rows are."""
+    layers), loaded as the weight's rows are; `activations`: the layer multiplies with int8
+    activations (W8A8)."""
     target, _ = model.checkpoint_target(weight_name)
     layer = model.get_submodule(target.rpartition(".")[0])
     if not isinstance(layer, CpuPackable):
         raise ModelLoadError(f"{weight_name!r} is quantized in the checkpoint, but is not a linear layer here")
+    layer.int8_activations = layer.int8_activations or activations
     if "weight_scale" in layer._parameters:
         return
     rows = layer.weight.shape[0]

@@ -21,7 +21,8 @@ float32; 124 vs 186 us at 8 rows). Either way the repacked tensor replaces the d
 weight, so memory does not grow; `dense_weight` (a layer's `dense_parameters`) turns it back
 for whoever reads weights.
 
-With quantization "int8" (int8_linear.py) the same step quantizes each layer instead: the
+With quantization "int8" (int8_linear.py) the same step quantizes each layer instead, and
+with "w8a8" (w8a8_linear.py) too, for the kernel that also quantizes the activations: the
 int8 blocks replace the float weight, and unpacking for a weight update dequantizes, so an
 update's float values are re-quantized when the layer is repacked.
 """
@@ -39,6 +40,7 @@ from .blocked_linear import BlockedWeight, uses_blocked_kernel
 from .cpu_tuning import pad_rows_for_onednn
 from .int8_linear import Int8Weight
 from .parallel import TPGroup
+from .w8a8_linear import W8A8Weight
 from .weights import LoadedWeight, copy_into, narrow, read_all, shape_of
 
 
@@ -88,7 +90,8 @@ class CpuPackable(ABC):
     it is repacked."""
 
     is_int8 = False
-    int8: Int8Weight | None = None  # the quantized weight while packed
+    int8_activations = False  # quantization w8a8: the activations int8 too (not the LM head's)
+    int8: Int8Weight | W8A8Weight | None = None  # the quantized weight while packed
     blocked: BlockedWeight | None = None  # the float32 blocks while packed
 
     @abstractmethod
@@ -116,12 +119,15 @@ def process_weights_after_loading(
 ) -> int:
     """Repacks the linear layers' CPU weights for oneDNN (impl "auto" or "cpp"; "torch"
     keeps the plain F.linear reference): all of them, or just `modules` (those a weight
-    update unpacked). Quantization "int8" makes every layer int8 from now on; a layer that
-    staged a checkpoint's int8 scales is int8 too. Returns how many weights it repacked."""
+    update unpacked). Quantization "int8" makes every layer int8 from now on, "w8a8" too with
+    int8 activations; a layer that staged a checkpoint's int8 scales is int8 too. Returns how
+    many weights it repacked."""
     modules = packable_modules(model) if modules is None else list(modules)
     count = 0
     for module in modules:
-        module.is_int8 = module.is_int8 or quantization == "int8" or "weight_scale" in module._parameters
+        module.int8_activations = module.int8_activations or quantization == "w8a8"
+        module.is_int8 = module.is_int8 or module.int8_activations or quantization == "int8"
+        module.is_int8 = module.is_int8 or "weight_scale" in module._parameters
         if module.is_int8:
             count += module.quantize(impl)
         elif impl in ("auto", "cpp"):
@@ -154,7 +160,8 @@ def _pack_parameter(module: nn.Module, impl: str) -> bool:
 def _quantize_parameter(module: nn.Module, impl: str) -> bool:
     """The int8 blocks replace the float weight (a parameter still: its bytes are counted)."""
     scale = module._parameters.pop("weight_scale", None)  # staged by compressed_tensors.py
-    module.int8 = Int8Weight.from_float(module.weight, impl, None if scale is None else scale.view(-1))
+    kind = W8A8Weight if module.int8_activations else Int8Weight
+    module.int8 = kind.from_float(module.weight, impl, None if scale is None else scale.view(-1))
     module.weight = nn.Parameter(module.int8.values, requires_grad=False)
     return True
 

@@ -4,8 +4,8 @@ Each kernel picks its vector width, register tiles and lanes at compile time fro
 -march=native, so the other tests check only the paths of the machine they run on. This
 file builds the kernels again with parts of the instruction set switched off
 (cpu_ops.build_variant) and checks their decode and prefill attention, blocked linear
-(float32, and bfloat16 where the build has a kernel for it) and int8 linear against the
-same references:
+(float32, and bfloat16 where the build has a kernel for it), int8 and w8a8 linears against
+the same references:
 
 avx2            -mno-avx512f: the AVX2 paths (8 lanes; bfloat16 widened to float32), on
                 machines with AVX-512. Where the native build is already the AVX2 one it is
@@ -28,6 +28,7 @@ from baton.kernels import cpu_ops
 from baton.kernels.reference import paged_decode_attention_ref, prefill_attention_ref
 from baton.services.model.blocked_linear import pack_blocks
 from baton.services.model.int8_linear import int8_linear_ref, pack_int8_blocks, quantize_int8
+from baton.services.model.w8a8_linear import pack_w8a8_blocks, w8a8_linear_ref
 from testlib.cpu import cpu_flags
 from testlib.kernel_sweep import ATTENTION_DTYPE_IDS, ATTENTION_DTYPES
 
@@ -144,3 +145,15 @@ def test_int8_linear(variant, rows, num_out, num_in):
     y = variant[1].int8_linear(x, pack_int8_blocks(q, variant[1].int8_linear_layout()), scale, bias, num_out, 1 << 30)
     expected = int8_linear_ref(x.double(), q, scale.double(), bias.double())
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# w8a8: the AVX2 build has no VNNI and runs the scalar code, which must give the same sums
+@pytest.mark.parametrize("rows", [1, 5, 13])
+@pytest.mark.parametrize(("num_out", "num_in"), [(48, 64), (100, 47)])
+def test_w8a8_linear(variant, rows, num_out, num_in):
+    q, scale = quantize_int8(_randn(num_out, num_in, seed=0) * 0.1)
+    x = _randn(rows, num_in, seed=2)
+    packed, sums = pack_w8a8_blocks(q)
+    y = variant[1].w8a8_linear(x, packed, sums, scale, None, num_out)
+    assert torch.equal(y, w8a8_linear_ref(x, q, scale))
+    assert variant[1].w8a8_linear_fast() == (variant[0] != "avx2" and "avx512_vnni" in cpu_flags())

@@ -12,6 +12,7 @@ import torch
 from baton.kernels import cpu_ops
 from baton.services.model import int8_linear
 from baton.services.model.blocked_linear import BlockedWeight
+from baton.services.model.w8a8_linear import W8A8Weight
 
 pytestmark = pytest.mark.skipif(
     not (cpu_ops.available() and torch.ops.baton_cpu.blocked_linear_supported(torch.float32)),
@@ -35,8 +36,8 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def _kernel_calls(seed: int) -> dict[str, torch.Tensor]:
-    """One call of each kernel that runs on the pool, with work enough to split: the blocked
-    and int8 linears, decode attention (vector and scalar paths), the fused element-wise
+    """One call of each kernel that runs on the pool, with work enough to split: the blocked,
+    int8 and w8a8 linears, decode attention (vector and scalar paths), the fused element-wise
     kernels, and prefill attention."""
     weight = BlockedWeight.from_dense(_randn(1536, 512, seed=seed))
     block_size, num_kv_heads, group, head_dim = 16, 4, 2, 64
@@ -81,6 +82,9 @@ def _kernel_calls(seed: int) -> dict[str, torch.Tensor]:
         int8 = int8_linear.Int8Weight.from_float(_randn(1536, 512, seed=seed + 4), "cpp")
         out["int8 linear, 8 rows"] = int8(_randn(8, 512, seed=seed + 5))
         out["int8 linear, 300 rows"] = int8(_randn(300, 512, seed=seed + 6))
+        w8a8 = W8A8Weight.from_float(_randn(1536, 512, seed=seed + 4), "cpp")
+        out["w8a8 linear, 8 rows"] = w8a8(_randn(8, 512, seed=seed + 5))
+        out["w8a8 linear, 300 rows"] = w8a8(_randn(300, 512, seed=seed + 6))
     if cpu_ops.prefill_attention_supported(num_kv_heads * group, num_kv_heads, head_dim):
         new = torch.tensor([1, 17, 20, 300, 0], dtype=torch.int32)  # the last tokens of each context
         starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)

@@ -1,5 +1,6 @@
-"""Writes a float checkpoint in compressed-tensors' pack-quantized W8A16 layout, as
-llm-compressor saves it (services/model/compressed_tensors.py reads it)."""
+"""Writes a float checkpoint in compressed-tensors' W8A16 (pack-quantized) or W8A8
+(int-quantized, activations dynamic per token) layout, as llm-compressor saves them
+(services/model/compressed_tensors.py reads them)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def write_w8a16(float_dir, out_dir, scheme: str = "minmax-127", ignore=("lm_head
     """`float_dir` as llm-compressor's W8A16 output: pack-quantized int8 per channel. Returns
     the int8 values written, by weight name. scheme "minmax-127.5" divides by 127.5 as
     llm-compressor's min-max observer does (so -128 occurs)."""
+    return _write(float_dir, out_dir, scheme, ignore, w8a8=False)
+
+
+def write_w8a8(float_dir, out_dir, ignore=("lm_head",)) -> dict[str, torch.Tensor]:
+    """`float_dir` as llm-compressor's W8A8 output: int-quantized int8 weights per channel,
+    activations int8 dynamic per token. Returns the int8 values written, by weight name."""
+    return _write(float_dir, out_dir, "minmax-127", ignore, w8a8=True)
+
+
+def _write(float_dir, out_dir, scheme: str, ignore, w8a8: bool) -> dict[str, torch.Tensor]:
     shutil.copytree(float_dir, out_dir)
     tensors = load_file(float_dir / "model.safetensors")
     written, values = {}, {}
@@ -34,22 +45,29 @@ def write_w8a16(float_dir, out_dir, scheme: str = "minmax-127", ignore=("lm_head
         else:
             scale = tensor.abs().amax(dim=1) / 127.5
             q = torch.round(tensor / scale[:, None]).clamp(-128, 127).to(torch.int8)
-        written[prefix + ".weight_packed"] = pack_int32(q)
+        if w8a8:
+            written[name] = q
+        else:
+            written[prefix + ".weight_packed"] = pack_int32(q)
+            written[prefix + ".weight_shape"] = torch.tensor(tensor.shape)
         written[prefix + ".weight_scale"] = scale[:, None].to(tensor.dtype).contiguous()
-        written[prefix + ".weight_shape"] = torch.tensor(tensor.shape)
         values[name] = q
     save_file(written, out_dir / "model.safetensors")
     config = json.loads((float_dir / "config.json").read_text())
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
     weights |= {"dynamic": False, "actorder": None, "observer": "minmax", "block_structure": None}
+    activations = None
+    if w8a8:
+        activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+        activations |= {"group_size": None, "actorder": None, "observer": None, "block_structure": None}
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": "int-quantized" if w8a8 else "pack-quantized",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
                 "weights": weights,
-                "input_activations": None,
+                "input_activations": activations,
                 "output_activations": None,
             }
         },

@@ -5,7 +5,6 @@ that are refused by name, and weight updates that re-quantize what they write.""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from baton.services.model.int8_linear import quantize_int8
 from baton.services.model.linear import packable_modules
 from pydantic import ValidationError
 from safetensors.torch import load_file
+from testlib.agreement import teacher_forced
 from testlib.int8_checkpoint import write_w8a16
 from testlib.models import tiny_model
 
@@ -39,24 +39,6 @@ def assert_same_int8(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
         if name not in skip:
             assert a[name] is not None and b[name] is not None, name
             assert torch.equal(a[name][0], b[name][0]) and torch.equal(a[name][1], b[name][1]), name
-
-
-def teacher_forced(reference: LLM, other: LLM, num_prompts: int = 6, num_tokens: int = 24):
-    """`other` scored on `reference`'s greedy continuations: the share of positions where its
-    argmax is the reference's token, and |logprob difference| of that token at each."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(10, 500) for _ in range(16)] for _ in range(num_prompts)]
-    outputs = reference.generate(prompts, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
-    score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    ref, got = reference.generate(seqs, score), other.generate(seqs, score)
-    agree, errors = [], []
-    for seq, r, g in zip(seqs, ref, got, strict=True):
-        for pos in range(len(prompts[0]), len(seq)):
-            token = seq[pos]
-            agree.append(g.prompt_logprobs[pos][token].rank == 1)
-            errors.append(abs(g.prompt_logprobs[pos][token].logprob - r.prompt_logprobs[pos][token].logprob))
-    return sum(agree) / len(agree), errors, outputs
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -127,12 +109,15 @@ def test_the_checkpoint_integers_load_exactly_even_minus_128(tmp_path):
     ("path", "value", "named"),
     [
         (("quant_method",), "gptq", "quant_method"),
-        (("format",), "int-quantized", "format"),
+        (("format",), "float-quantized", "format"),
+        (("config_groups", "group_0", "format"), "int-quantized", "differs"),
         (("config_groups", "group_0", "weights", "num_bits"), 4, "num_bits"),
         (("config_groups", "group_0", "weights", "strategy"), "group", "strategy"),
         (("config_groups", "group_0", "weights", "group_size"), 128, "group_size"),
         (("config_groups", "group_0", "weights", "symmetric"), False, "symmetric"),
-        (("config_groups", "group_0", "input_activations"), {"num_bits": 8, "dynamic": True}, "activation"),
+        (("config_groups", "group_0", "input_activations"), {"num_bits": 8, "dynamic": False}, "dynamic"),
+        (("config_groups", "group_0", "input_activations"), {"strategy": "tensor"}, "strategy"),
+        (("config_groups", "group_0", "output_activations"), {"num_bits": 8}, "output"),
         (("kv_cache_scheme",), {"num_bits": 8}, "kv_cache_scheme"),
     ],
 )
@@ -150,6 +135,16 @@ def test_unsupported_quantization_configs_are_refused_by_name(tmp_path, path, va
     if path == ("config_groups", "group_0", "weights", "num_bits"):  # and through the engine
         with pytest.raises(ModelLoadError, match="num_bits is 4"):
             engine(tmp_path / "q")
+
+
+def test_groups_that_mix_weight_only_and_w8a8_are_refused(tmp_path):
+    write_w8a16(tiny_model("llama"), tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    groups["group_1"] = groups["group_0"] | {"input_activations": {"strategy": "token", "dynamic": True}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="weight-only and W8A8 groups"):
+        read_quantization_config(tmp_path / "q")
 
 
 def test_the_engine_config_refuses_other_quantizations():
