@@ -36,8 +36,9 @@ class ModelConfig(BaseModel):
         description="int8: weight-only int8 linear layers and LM head (symmetric, one scale per output channel), "
         "float checkpoints quantized at load, activations in `dtype`; w8a8: the same int8 weights, and the "
         "linear layers' activations quantized to int8 per token on every call (the LM head stays weight-only; "
-        "fast on CPUs with AVX512-VNNI, model/w8a8_linear.py); None: as the checkpoint stores them (a "
-        "compressed-tensors W8A16 checkpoint loads int8, model/compressed_tensors.py)",
+        "CPU only, fast with AVX512-VNNI, model/w8a8_linear.py); None: as the checkpoint stores them (a "
+        "compressed-tensors W8A16 checkpoint loads int8, a W8A8 one w8a8, model/compressed_tensors.py; int8 "
+        "runs a W8A8 checkpoint weight-only)",
     )
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded requests)")
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for")
@@ -243,6 +244,15 @@ class EngineConfig(BaseModel):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @model_validator(mode="after")
+    def _w8a8_on_the_cpu(self) -> EngineConfig:
+        if self.model.quantization == "w8a8" and self.runner.device == "cuda":
+            raise ValueError(
+                "quantization w8a8 runs on the CPU only (its kernel is AVX512-VNNI's); runner.device is 'cuda': "
+                "use quantization int8 (weight-only) on GPUs"
+            )
+        return self
 
     @model_validator(mode="after")
     def _core_process(self) -> EngineConfig:

@@ -21,8 +21,9 @@ groups quantize the activations dynamically per token:
     "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token",
                           "dynamic": true, "group_size": null, "actorder": null}
 
-so its layers multiply with int8 activations (w8a8_linear.py), as quantization "w8a8" does;
-an LM head quantized there keeps float activations (the logits), as under "w8a8".
+so its layers multiply with int8 activations (w8a8_linear.py), as quantization "w8a8" does
+(quantization "int8" runs them weight-only); an LM head quantized there keeps float
+activations (the logits), as under "w8a8".
 
 Layers named in "ignore" (and the embedding) keep a float `X.weight`. Anything else (other
 bit widths, groups, asymmetric weights, static or per-tensor activation scales, output

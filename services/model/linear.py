@@ -119,13 +119,15 @@ def process_weights_after_loading(
 ) -> int:
     """Repacks the linear layers' CPU weights for oneDNN (impl "auto" or "cpp"; "torch"
     keeps the plain F.linear reference): all of them, or just `modules` (those a weight
-    update unpacked). Quantization "int8" makes every layer int8 from now on, "w8a8" too with
-    int8 activations; a layer that staged a checkpoint's int8 scales is int8 too. Returns how
-    many weights it repacked."""
+    update unpacked). Quantization "int8" makes every layer int8 from now on, weight-only even
+    where a W8A8 checkpoint asked for int8 activations; "w8a8" makes them int8 with int8
+    activations; a layer that staged a checkpoint's int8 scales is int8 too. Returns how many
+    weights it repacked."""
     modules = packable_modules(model) if modules is None else list(modules)
     count = 0
     for module in modules:
-        module.int8_activations = module.int8_activations or quantization == "w8a8"
+        if quantization is not None:
+            module.int8_activations = quantization == "w8a8"
         module.is_int8 = module.is_int8 or module.int8_activations or quantization == "int8"
         module.is_int8 = module.is_int8 or "weight_scale" in module._parameters
         if module.is_int8:

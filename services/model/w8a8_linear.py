@@ -11,7 +11,7 @@ an instruction): where weight-only int8 widens every weight to float32 and so co
 float32 from a few rows up on CPUs without AMX, this stays ahead at decode batches of 4-16
 rows. The price is the activations' rounding (`bench/int8.py` reports the agreement with
 float32 of both). `w8a8_linear_ref` is the reference the kernel is tested against, and what
-runs with kernel_backend "torch" or off the CPU.
+runs with kernel_backend "torch". There is no GPU kernel: a weight off the CPU is refused.
 """
 
 from __future__ import annotations
@@ -103,6 +103,11 @@ class W8A8Weight:
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, impl: str, scale: torch.Tensor | None = None) -> W8A8Weight:
+        if weight.device.type != "cpu":
+            raise ValueError(
+                f"quantization w8a8 runs on the CPU only (its kernel is AVX512-VNNI's); this weight is on "
+                f"{weight.device}: use quantization int8 (weight-only) there"
+            )
         q, scale = quantize_int8(weight, scale)
         if uses_int8_kernel(weight.device, impl):
             _kernel_is_fast()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.config import ModelConfig
+from baton.services.engine.config import EngineConfig, ModelConfig, RunnerConfig
 from baton.services.model.int8_linear import Int8Weight, quantize_int8
 from baton.services.model.w8a8_linear import W8A8Weight
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from testlib.agreement import teacher_forced
 from testlib.int8_checkpoint import write_w8a8
@@ -91,3 +92,16 @@ def test_a_compressed_tensors_w8a8_checkpoint_loads_as_w8a8(tmp_path):
     assert torch.equal(layers[3].int8.scale, quantize_int8(down)[1])  # the file's scales
     agreement, _, _ = teacher_forced(engine(float_dir), llm)
     assert agreement >= 0.9
+
+
+def test_int8_runs_a_w8a8_checkpoint_weight_only(tmp_path):
+    write_w8a8(tiny_model("llama"), tmp_path / "w8a8")
+    _, layers = _layers(engine(tmp_path / "w8a8", quantization="int8"))
+    assert all(isinstance(module.int8, Int8Weight) for module in layers)
+
+
+def test_w8a8_is_refused_off_the_cpu():
+    with pytest.raises(ValidationError, match="w8a8 runs on the CPU only"):
+        EngineConfig(model=ModelConfig(model="m", quantization="w8a8"), runner=RunnerConfig(device="cuda"))
+    with pytest.raises(ValueError, match="this weight is on meta"):
+        W8A8Weight.from_float(torch.empty(8, 8, device="meta"), "auto")
