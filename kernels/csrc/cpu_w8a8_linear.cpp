@@ -33,14 +33,15 @@
 #include "op_library.h"
 #include "thread_pool.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define BATON_W8A8_VNNI 1
 #endif
@@ -60,7 +61,14 @@ constexpr int64_t kPairMinRows = 64;
 
 // IEEE single-precision division and product, whatever -ffast-math allows the compiler to do
 // with `/` (a reciprocal): the reference (w8a8_linear.py) computes the scales the same way.
+// Elsewhere than x86 the operators (a quotient may then differ in its last bit).
+#if defined(__x86_64__)
 inline float divide(float a, float b) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+inline float multiply(float a, float b) { return _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+#else
+inline float divide(float a, float b) { return a / b; }
+inline float multiply(float a, float b) { return a * b; }
+#endif
 
 // Row m's scale (s_x) and its values as unsigned bytes q_x + 128, K padded with 128 (a zero).
 void quantize_row(const float* x, int64_t K, int64_t kp, uint8_t* q, float* scale) {
@@ -89,7 +97,7 @@ void quantize_row(const float* x, int64_t K, int64_t kp, uint8_t* q, float* scal
   }
 #endif
   for (int64_t i = k; i < K; ++i) {
-    const float v = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(x[i]), _mm_set_ss(inv)));
+    const float v = multiply(x[i], inv);
     q[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v)) + 128);
   }
   std::memset(q + K, 128, kp - K);
