@@ -122,9 +122,10 @@ def load_quantized_weights(model: nn.Module, model_dir: str | Path) -> Checkpoin
     if config is None:
         return load_weights(model, model_dir)
     marker = _PACKED if config["format"] == "pack-quantized" else _SCALE  # int-quantized: X.weight is int8
+    activations = int8_activations(config)
     for name, _ in iter_checkpoint(model_dir):
         if name.endswith(marker):
-            _stage_scale(model, name[: -len(marker)] + ".weight", int8_activations(config))
+            _stage_scale(model, name[: -len(marker)] + ".weight", activations)
     layout = load_weights(model, model_dir, _float_tensors(model_dir))
     return CheckpointLayout({name: shape for name, shape in layout.shapes.items() if not name.endswith(_SCALE)})
 

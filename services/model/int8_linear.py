@@ -52,23 +52,32 @@ def int8_linear_ref(
     return y if bias is None else y + bias
 
 
+def pack_channel_blocks(q: torch.Tensor, block: int, group: int, pad_k: int) -> torch.Tensor:
+    """[N, K] as blocks of `block` channels with k in groups of `group`, [N/block, K/group,
+    block, group], K padded to a multiple of `pad_k` and channels to whole blocks with zeros
+    (the int8 kernels' layouts: this file's and w8a8_linear.py's)."""
+    num_out, num_in = q.shape
+    num_blocks = -(-num_out // block)
+    padded_in = -(-num_in // pad_k) * pad_k
+    padded = q.new_zeros(num_blocks * block, padded_in)
+    padded[:num_out, :num_in] = q
+    return padded.view(num_blocks, block, padded_in // group, group).transpose(1, 2).contiguous()
+
+
+def unpack_channel_blocks(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """[N, K] of `pack_channel_blocks`' layout (a 2-d tensor is already that)."""
+    if packed.dim() == 2:
+        return packed
+    return packed.transpose(1, 2).reshape(packed.shape[0] * packed.shape[2], -1)[: shape[0], : shape[1]]
+
+
 def pack_int8_blocks(q: torch.Tensor, layout: int) -> torch.Tensor:
     """[N, K] in the kernel's layout (cpu_int8_linear.cpp): 1, blocks of 32 channels in
     k-pairs [N/32, K/2, 32, 2] with K padded to 32, zero where padded; 0, as it is."""
-    if layout == 0:
-        return q.contiguous()
-    num_out, num_in = q.shape
-    num_blocks = -(-num_out // BLOCK)
-    padded_in = -(-num_in // PAD_K) * PAD_K
-    padded = q.new_zeros(num_blocks * BLOCK, padded_in)
-    padded[:num_out, :num_in] = q
-    return padded.view(num_blocks, BLOCK, padded_in // 2, 2).transpose(1, 2).contiguous()
+    return q.contiguous() if layout == 0 else pack_channel_blocks(q, BLOCK, 2, PAD_K)
 
 
-def unpack_int8_blocks(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    if packed.dim() == 2:
-        return packed
-    return packed.transpose(1, 2).reshape(packed.shape[0] * BLOCK, -1)[: shape[0], : shape[1]]
+unpack_int8_blocks = unpack_channel_blocks
 
 
 def kernel_layout() -> int:

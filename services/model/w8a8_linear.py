@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .int8_linear import quantize_int8, uses_int8_kernel
+from .int8_linear import pack_channel_blocks, quantize_int8, unpack_channel_blocks, uses_int8_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +58,13 @@ def w8a8_linear_ref(
 def pack_w8a8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed [N/16, K/4, 16, 4] with K padded to 4 and zero where padded, column sums int32
     [N padded to 16]) of int8 [N, K], in the kernel's layout (cpu_w8a8_linear.cpp)."""
-    num_out, num_in = q.shape
-    num_blocks = -(-num_out // BLOCK)
-    padded_in = -(-num_in // GROUP) * GROUP
-    padded = q.new_zeros(num_blocks * BLOCK, padded_in)
-    padded[:num_out, :num_in] = q
-    packed = padded.view(num_blocks, BLOCK, padded_in // GROUP, GROUP).transpose(1, 2).contiguous()
-    return packed, padded.sum(dim=1, dtype=torch.int32)
+    packed = pack_channel_blocks(q, BLOCK, GROUP, GROUP)
+    sums = torch.zeros(packed.shape[0] * BLOCK, dtype=torch.int32)
+    sums[: q.shape[0]] = q.sum(dim=1, dtype=torch.int32)
+    return packed, sums
 
 
-def unpack_w8a8_blocks(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    if packed.dim() == 2:
-        return packed
-    return packed.transpose(1, 2).reshape(packed.shape[0] * BLOCK, -1)[: shape[0], : shape[1]]
+unpack_w8a8_blocks = unpack_channel_blocks
 
 
 _warned_slow = False
