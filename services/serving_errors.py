@@ -145,13 +145,12 @@ def retry_after_of(details: str | bytes | None) -> int | None:
 
 def status_of(error: BaseException) -> ErrorStatus:
     """The client-facing status for an error raised anywhere below the gateway."""
-    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
     from ray.serve.exceptions import BackPressureError
 
     cause = _unwrap(error)
     if is_cancellation(cause):
         return ErrorStatus(grpc.StatusCode.CANCELLED, HTTP_CLIENT_CLOSED_REQUEST, "cancelled", CANCELLED)
-    if isinstance(cause, RayActorError | WorkerCrashedError | NodeDiedError | ObjectLostError):
+    if is_worker_lost(cause):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", WORKER_LOST)
     if isinstance(cause, InvalidRequestError):
         return ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", str(cause), cause.field)
@@ -189,6 +188,14 @@ def status_of(error: BaseException) -> ErrorStatus:
         return ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", str(cause) or "request timed out")
     # A server error's own text can hold internals (paths, ids, reprs): the log has it, with its traceback.
     return ErrorStatus(grpc.StatusCode.INTERNAL, 500, "internal_error", INTERNAL_ERROR)
+
+
+def is_worker_lost(error: BaseException) -> bool:
+    """Whether `error` says the worker's process (or node) is gone, rather than refusing."""
+    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+
+    lost = RayActorError | WorkerCrashedError | NodeDiedError | ObjectLostError
+    return isinstance(error, lost) or isinstance(_unwrap(error), lost)
 
 
 def is_cancellation(error: BaseException) -> bool:

@@ -143,7 +143,7 @@ async def streamed(
     try:
         call.channel = hub.channel_id
         response = getattr(handle.options(stream=True), method).remote(argument)
-        on_channel = lambda replica, call_stream: hub.follow(queue, call_stream)  # noqa: E731
+        on_channel = lambda replica, call_stream: hub.follow(queue, call_stream, replica)  # noqa: E731
         offered = lambda replica: hub.offered(replica, handle)  # noqa: E731
         async with aclosing(until_finished(response, role, offered, on_channel, started)) as outputs:
             async for output in outputs:
@@ -175,7 +175,7 @@ async def until_finished(
         await guarded(_first_of(following, started), role)
         while True:
             if following is not None and started is not None and started.done() and not started.cancelled():
-                async with aclosing(on_channel(None, _rest(following, items))) as outputs:
+                async with aclosing(on_channel(started.result(), _rest(following, items))) as outputs:
                     async for output in outputs:
                         finished = output.finished
                         yield output

@@ -28,21 +28,13 @@ from contextlib import aclosing
 
 from ..engine.api.handover import can_disaggregate
 from ..engine.api.outputs import RequestOutput
+from ..serving_errors import is_worker_lost
 from ..worker_calls import GenerateCall, WorkerModelInfo
 from .engine_client import EngineClient, PlacementTrace
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 3
-
-
-def is_worker_lost(error: BaseException) -> bool:
-    """Whether `error` says the worker's process (or node) is gone, rather than refusing."""
-    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-
-    cause = getattr(error, "cause", None)  # Ray wraps a remote exception in RayTaskError
-    lost = RayActorError | WorkerCrashedError | NodeDiedError | ObjectLostError
-    return isinstance(error, lost) or isinstance(cause, lost)
 
 
 class MigratingClient(EngineClient):

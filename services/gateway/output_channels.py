@@ -13,7 +13,11 @@ not tried again for RETRY_S: its requests stream on their own calls meanwhile.
 
 The call's own stream stays the request's lifeline while its outputs come on the channel:
 its end or error is put in the same queue (`follow`), so a replica that dies fails the
-request exactly as without channels, and leaving cancels the call. A request whose reader
+request exactly as without channels, and leaving cancels the call. The call's error can come
+before the last outputs the dead replica sent are read off its channel: the request then
+waits for that channel's end (at most LOST_CHANNEL_END_S, then the channel is cancelled),
+takes those outputs, and only then fails; a migration resumes the request under the same id,
+and no output of the lost replica may reach it there. A request whose reader
 fell behind gets the outputs waiting in its queue as one delta (as the worker merges its
 own backlog), so the hop after the gateway carries fewer messages too.
 
@@ -35,12 +39,14 @@ from typing import Any
 
 from ..engine.api.outputs import RequestOutput, merge_deltas
 from ..local_channel import LocalSocket, frame, ray_node_id, read_frame
+from ..serving_errors import is_worker_lost
 from ..worker_calls import OpenChannel, StartsOnChannel
 
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 10.0
 RETRY_S = 30.0
+LOST_CHANNEL_END_S = 2.0  # a dead replica's socket ends at once; an unreachable one's is cut after this
 
 
 @dataclass(slots=True)
@@ -64,8 +70,8 @@ class Channels:
         self._no_socket: set[str] = set()  # replicas whose socket could not be connected to
 
     def register(self, request_id: str) -> tuple[asyncio.Queue, asyncio.Future]:
-        """The request's queue, and a future set when a replica announces it on a channel
-        (StartsOnChannel: all its outputs come there, none on its call's own stream)."""
+        """The request's queue, and a future set to the replica that announces it on its
+        channel (StartsOnChannel: all its outputs come there, none on its call's own stream)."""
         queue = self._queues[request_id] = asyncio.Queue()
         started = self._starts[request_id] = asyncio.get_running_loop().create_future()
         return queue, started
@@ -86,9 +92,11 @@ class Channels:
             return
         self._opening[replica] = asyncio.get_running_loop().create_task(self._read(replica, handle))
 
-    async def follow(self, queue: asyncio.Queue, call_stream: Any) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from the channel, until the finished one; the call's own stream
-        (`call_stream`, an iterator past its MovedToChannel marker) ending in error raises it."""
+    async def follow(self, queue: asyncio.Queue, call_stream: Any, replica: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs from `replica`'s channel, until the finished one; the call's
+        own stream (`call_stream`, an iterator past its MovedToChannel marker) ending in error
+        raises it, after the outputs sent before it (if the replica was lost: once its
+        channel has ended)."""
         lifeline = asyncio.ensure_future(_drain(call_stream))
         lifeline.add_done_callback(lambda task: queue.put_nowait(_CallEnded(_error_of(task))))
         finished = False
@@ -96,6 +104,15 @@ class Channels:
         try:
             while not finished:
                 if held is not None:
+                    if is_worker_lost(held):
+                        await self._end_channel(replica)
+                        rest = [item for item in _taken(queue) if not isinstance(item, _CallEnded)]
+                        if rest:
+                            output = merge_deltas(rest)
+                            finished = output.finished
+                            yield output
+                            if finished:
+                                return
                     raise held
                 item = await queue.get()
                 if isinstance(item, _CallEnded):
@@ -114,6 +131,20 @@ class Channels:
         finally:
             if not finished:  # a finished call's stream ends by itself; cancelling costs a round trip
                 lifeline.cancel()
+
+    async def _end_channel(self, replica: str) -> None:
+        """Until `replica`'s channel has ended (all it sent is in its requests' queues); cut
+        after LOST_CHANNEL_END_S: `replica` is lost, and its channel with it."""
+        reader = self._opening.get(replica)
+        if reader is None:
+            return
+        done, _ = await asyncio.wait({reader}, timeout=LOST_CHANNEL_END_S)
+        if not done:
+            logger.warning(
+                "output channel to lost replica %s did not end within %g s: cut", replica, LOST_CHANNEL_END_S
+            )
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def close(self) -> None:
         tasks = list(self._opening.values())
@@ -141,7 +172,7 @@ class Channels:
                     if isinstance(output, StartsOnChannel):
                         started = starts.get(output.request_id)
                         if started is not None and not started.done():
-                            started.set_result(None)
+                            started.set_result(replica)
                         continue
                     queue = queues.get(output.request_id)
                     if queue is not None:  # None: the request left; its call was cancelled
@@ -178,6 +209,14 @@ class Channels:
 async def _socket_batches(reader: asyncio.StreamReader) -> AsyncIterator[list[RequestOutput]]:
     while (payload := await read_frame(reader)) is not None:
         yield pickle.loads(payload)
+
+
+def _taken(queue: asyncio.Queue) -> list[Any]:
+    """Everything in `queue` now, without waiting."""
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 async def _drain(call_stream: Any) -> None:

@@ -101,6 +101,20 @@ class Streams:
         for thread in self.threads:
             thread.join(timeout=180)
 
+    def assert_tokens(self, expected: dict[str, list[int]]) -> None:
+        """Each stream's tokens equal `expected`'s; a mismatch names where each stream parts."""
+        assert not self.errors, self.errors
+        parted = {}
+        for prompt, want in expected.items():
+            got = self.tokens[prompt]
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                parted[prompt] = (
+                    f"{len(got)} tokens against {len(want)}, parting at {at}: got {got[max(0, at - 3) : at + 5]}, "
+                    f"expected {want[max(0, at - 3) : at + 5]} (kv_path {self.kv_paths.get(prompt)!r})"
+                )
+        assert not parted, parted
+
 
 def wait_for_replicas(role: str, count: int, timeout_s: float = 120) -> float:
     start = time.monotonic()
@@ -141,8 +155,7 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream(deployment, client, 
     os.kill(busiest, signal.SIGKILL)
     streams.join()
     done_after_s = time.monotonic() - killed_at
-    assert not streams.errors, streams.errors
-    assert {p: t for p, t in streams.tokens.items()} == {p: offline[p] for p in PROMPTS}
+    streams.assert_tokens({p: offline[p] for p in PROMPTS})
     migrated = [p for p, path in streams.kv_paths.items() if path == "migrated"]
     assert migrated, streams.kv_paths  # the victim held some of them
     replaced_after_s = wait_for_replicas("decode", 2)
@@ -289,8 +302,7 @@ def test_constrained_streams_migrate_by_replaying_their_tokens(deployment, clien
     _, busiest, _ = max(handle.broadcast("integrity_report").results(), key=lambda report: report[2].num_running)
     os.kill(busiest, signal.SIGKILL)
     streams.join()
-    assert not streams.errors, streams.errors
-    assert streams.tokens == expected
+    streams.assert_tokens(expected)
     assert "migrated" in streams.kv_paths.values(), streams.kv_paths
     wait_for_replicas("decode", 2)
     settle("decode")
@@ -333,8 +345,7 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     # when its replica exited or its heartbeat lapsed.
     assert retired["alive"] == decode_pids, retired
     streams.join()
-    assert not streams.errors, streams.errors
-    assert streams.tokens == {p: offline["long", p] for p in PROMPTS}
+    streams.assert_tokens({p: offline["long", p] for p in PROMPTS})
     migrated = [p for p, path in streams.kv_paths.items() if path == "migrated"]
     deadline = time.monotonic() + 60
     while len(replica_pids("decode")) > 1:

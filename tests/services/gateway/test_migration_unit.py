@@ -10,7 +10,8 @@ import pytest
 from baton.services.engine import SamplingParams
 from baton.services.engine.api.outputs import CompletionOutput, RequestOutput
 from baton.services.gateway.engine_client import EngineClient, PlacementTrace
-from baton.services.gateway.migration import MigratingClient, is_worker_lost
+from baton.services.gateway.migration import MigratingClient
+from baton.services.serving_errors import is_worker_lost
 from baton.services.worker_calls import GenerateCall
 from ray.exceptions import ActorDiedError, RayTaskError
 
