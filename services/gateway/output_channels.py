@@ -106,7 +106,7 @@ class Channels:
                 if held is not None:
                     if is_worker_lost(held):
                         await self._end_channel(replica)
-                        rest = [item for item in _taken(queue) if not isinstance(item, _CallEnded)]
+                        rest = _taken(queue)  # outputs only: the call ended once
                         if rest:
                             output = merge_deltas(rest)
                             finished = output.finished

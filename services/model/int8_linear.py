@@ -77,9 +77,6 @@ def pack_int8_blocks(q: torch.Tensor, layout: int) -> torch.Tensor:
     return q.contiguous() if layout == 0 else pack_channel_blocks(q, BLOCK, 2, PAD_K)
 
 
-unpack_int8_blocks = unpack_channel_blocks
-
-
 def kernel_layout() -> int:
     return torch.ops.baton_cpu.int8_linear_layout()
 
@@ -115,7 +112,7 @@ class Int8Weight:
     @property
     def int8_values(self) -> torch.Tensor:
         """[N, K] int8."""
-        return unpack_int8_blocks(self.values, self.shape) if self.blocked else self.values
+        return unpack_channel_blocks(self.values, self.shape) if self.blocked else self.values
 
     def dequantize(self) -> torch.Tensor:
         return (self.int8_values.float() * self.scale[:, None]).to(self.dtype)

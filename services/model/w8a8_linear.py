@@ -64,9 +64,6 @@ def pack_w8a8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, sums
 
 
-unpack_w8a8_blocks = unpack_channel_blocks
-
-
 _warned_slow = False
 
 
@@ -112,7 +109,7 @@ class W8A8Weight:
     @property
     def int8_values(self) -> torch.Tensor:
         """[N, K] int8."""
-        return unpack_w8a8_blocks(self.values, self.shape)
+        return unpack_channel_blocks(self.values, self.shape)
 
     def dequantize(self) -> torch.Tensor:
         return (self.int8_values.float() * self.scale[:, None]).to(self.dtype)

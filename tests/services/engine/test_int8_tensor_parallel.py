@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.services.engine import LLM, SamplingParams
-from baton.services.model.int8_linear import quantize_int8, unpack_int8_blocks
+from baton.services.model.int8_linear import quantize_int8, unpack_channel_blocks
 from safetensors.torch import load_file
 from testlib.agreement import teacher_forced
 from testlib.int8_checkpoint import write_w8a16
@@ -30,7 +30,7 @@ def rank_int8(params: dict[str, torch.Tensor], name: str, shape: tuple[int, int]
     """A rank's int8 values of `name` ([N, K] of its shard) from its packed parameter."""
     packed = params[name]
     assert packed.dtype == torch.int8
-    return unpack_int8_blocks(packed, shape)
+    return unpack_channel_blocks(packed, shape)
 
 
 def test_each_rank_quantizes_its_own_shard(ray_cluster):

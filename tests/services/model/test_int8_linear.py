@@ -14,7 +14,7 @@ from baton.services.model.int8_linear import (
     int8_linear_ref,
     pack_int8_blocks,
     quantize_int8,
-    unpack_int8_blocks,
+    unpack_channel_blocks,
 )
 from testlib.cpu import cpu_flags
 
@@ -118,7 +118,7 @@ def test_blocks_round_trip_and_pad_with_zeros():
     assert torch.equal(pairs[:, 5:], torch.zeros_like(pairs[:, 5:]))  # k >= 10
     assert torch.equal(pairs[0, 4, :, 1], torch.zeros(BLOCK, dtype=torch.int8))  # k = 9
     assert torch.equal(pairs[1, :, 6:], torch.zeros(16, BLOCK - 6, 2, dtype=torch.int8))
-    assert torch.equal(unpack_int8_blocks(pairs, q.shape), q)
+    assert torch.equal(unpack_channel_blocks(pairs, q.shape), q)
     assert pack_int8_blocks(q, 0) is q or torch.equal(pack_int8_blocks(q, 0), q)
 
 

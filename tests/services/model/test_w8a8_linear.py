@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.kernels import cpu_ops
-from baton.services.model.int8_linear import quantize_int8
+from baton.services.model.int8_linear import quantize_int8, unpack_channel_blocks
 from baton.services.model.w8a8_linear import (
     BLOCK,
     W8A8Weight,
     pack_w8a8_blocks,
     quantize_rows,
-    unpack_w8a8_blocks,
     w8a8_linear_ref,
 )
 
@@ -93,7 +92,7 @@ def test_blocks_round_trip_and_pad_with_zeros(num_out, num_in):
     packed, sums = pack_w8a8_blocks(q)
     blocks = -(-num_out // BLOCK)
     assert packed.shape == (blocks, -(-num_in // 4), BLOCK, 4)
-    assert torch.equal(unpack_w8a8_blocks(packed, (num_out, num_in)), q)
+    assert torch.equal(unpack_channel_blocks(packed, (num_out, num_in)), q)
     assert sums.shape == (blocks * BLOCK,) and sums.dtype == torch.int32
     assert torch.equal(sums[:num_out], q.sum(dim=1, dtype=torch.int32)) and not sums[num_out:].any()
     assert int(packed.sum()) == int(q.sum())  # the padding holds zeros
