@@ -22,7 +22,9 @@ import peer_vllm_serving as serving
 import yaml
 from peer_vllm_serving import WARMUP, Load, Server, bench_run
 
-LOAD = Load("concurrency 16, 128->256", ("--input-len", "128", "--output-len", "256", "--concurrency", "16"), 48, 16)
+LOAD = Load(
+    "c16", "concurrency 16, 128->256", ("--input-len", "128", "--output-len", "256", "--concurrency", "16"), 48, 16
+)
 
 
 def one_run(multiplex: bool, n: int, seed: int, out: Path) -> dict:

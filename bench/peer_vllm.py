@@ -323,6 +323,11 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=1, help="serving rounds (servers alternate per round)")
     parser.add_argument(
+        "--loads",
+        default=None,
+        help="serving: a comma-separated subset of rate1, rate3, prefix, c16 (default: all four)",
+    )
+    parser.add_argument(
         "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
     )
     ingress = parser.add_mutually_exclusive_group()

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 import yaml
@@ -41,6 +41,7 @@ LIMITS = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2
 
 @dataclass(frozen=True)
 class Load:
+    key: str  # for --loads
     name: str
     args: tuple[str, ...]
     num_requests: int  # full round
@@ -49,18 +50,21 @@ class Load:
 
 # The loads of the performance issue's table. Counts keep one round of both servers near 12 min.
 LOADS = (
-    Load("random 256->128, 1 req/s", ("--input-len", "256", "--output-len", "128", "--rate", "1"), 90, 8),
-    Load("random 256->128, 3 req/s", ("--input-len", "256", "--output-len", "128", "--rate", "3"), 150, 12),
+    Load("rate1", "random 256->128, 1 req/s", ("--input-len", "256", "--output-len", "128", "--rate", "1"), 90, 8),
+    Load("rate3", "random 256->128, 3 req/s", ("--input-len", "256", "--output-len", "128", "--rate", "3"), 150, 12),
     Load(
+        "prefix",
         "shared prefix 8x1024+64->32, 2 req/s",
         ("--workload", "shared-prefix", "--num-groups", "8", "--prefix-len", "1024", "--suffix-len", "64")
         + ("--output-len", "32", "--rate", "2"),
         120,
         12,
     ),
-    Load("concurrency 16, 128->256", ("--input-len", "128", "--output-len", "256", "--concurrency", "16"), 64, 16),
+    Load(
+        "c16", "concurrency 16, 128->256", ("--input-len", "128", "--output-len", "256", "--concurrency", "16"), 64, 16
+    ),
 )
-WARMUP = Load("warm-up", ("--input-len", "128", "--output-len", "32", "--concurrency", "8"), 16, 8)
+WARMUP = Load("warmup", "warm-up", ("--input-len", "128", "--output-len", "32", "--concurrency", "8"), 16, 8)
 
 # (label, path in the result's metrics, higher is better)
 METRICS = (
@@ -224,6 +228,7 @@ def serve_and_load(
     direct_ingress: bool | None = None,
     baton_sets: tuple[str, ...] = (),
     baton_env: dict[str, str] | None = None,
+    loads: tuple[Load, ...] = LOADS,
 ) -> dict[str, Any]:
     print(f"  starting {name} (load {load1():.2f}) ...", flush=True)
     direct = direct_ingress if name == "baton" else None
@@ -234,7 +239,8 @@ def serve_and_load(
         warmup_n = WARMUP.quick_requests if quick else WARMUP.num_requests
         bench_run(server, WARMUP, warmup_n, seed + len(LOADS), round_dir / name / "warmup")
         results = {}
-        for i, load in enumerate(LOADS):
+        for load in loads:
+            i = LOADS.index(load)  # a load's seed and folder stay the same when it runs alone
             n = load.quick_requests if quick else load.num_requests
             print(f"  {name}: {load.name}, {n} requests (load {load1():.2f}) ...", flush=True)
             # a seed per load: random prompts of one seed share their leading tokens across
@@ -258,12 +264,12 @@ def ratio(b: float | None, v: float | None) -> str:
     return f"{b / v:5.2f}x"
 
 
-def print_round(index: int, results: dict[str, dict[str, Any]]) -> None:
+def print_round(index: int, results: dict[str, dict[str, Any]], loads: tuple[Load, ...] = LOADS) -> None:
     print(f"\nround {index + 1}: start-up (first 200 on /v1/models) ", end="")
     print(", ".join(f"{s} {r['ready_s']:.1f} s" for s, r in results.items()))
     head = "".join(f"{label:>11}" for label, _, _ in METRICS)
     print(f"{'load':38} {'server':6}{head}  cached  done/sent  load1 start/end  cores: server client others")
-    for load in LOADS:
+    for load in loads:
         for server in ("baton", "vllm"):
             r = results[server]["loads"][load.name]
             cells = "".join(f"{value(r, path) or 0:11.1f}" for _, path, _ in METRICS)
@@ -280,10 +286,12 @@ def print_round(index: int, results: dict[str, dict[str, Any]]) -> None:
         print(f"{'':38} {'B/V':6}{cells}")
 
 
-def summary(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[float | None]]]:
+def summary(
+    rounds: list[dict[str, dict[str, Any]]], loads: tuple[Load, ...] = LOADS
+) -> dict[str, dict[str, list[float | None]]]:
     """Per load and metric, the Baton / vLLM ratio of each round."""
     out: dict[str, dict[str, list[float | None]]] = {}
-    for load in LOADS:
+    for load in loads:
         out[load.name] = {}
         for label, path, _ in METRICS:
             ratios = []
@@ -294,6 +302,11 @@ def summary(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list
     return out
 
 
+def median_ratio(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return median(known) if known else None
+
+
 def print_summary(ratios: dict[str, dict[str, list[float | None]]]) -> None:
     print("\nBaton / vLLM per load (one number per round; throughput and goodput: higher is better for Baton)")
     for load, by_metric in ratios.items():
@@ -301,9 +314,31 @@ def print_summary(ratios: dict[str, dict[str, list[float | None]]]) -> None:
             f"{label} " + "/".join("n/a" if x is None else f"{x:.2f}" for x in xs) for label, xs in by_metric.items()
         )
         print(f"  {load:38} {cells}")
+    if len(next(iter(ratios.values()), {}).get("TTFT p90", [])) < 2:
+        return
+    # one round's ratio moves by +-20% on a shared host: the median over rounds is the result
+    print("Median over rounds")
+    for load, by_metric in ratios.items():
+        cells = "  ".join(
+            f"{label} " + ("n/a" if (m := median_ratio(xs)) is None else f"{m:.2f}x") for label, xs in by_metric.items()
+        )
+        print(f"  {load:38} {cells}")
+
+
+def selected_loads(keys: str | None) -> tuple[Load, ...]:
+    """`--loads rate1,c16`: those loads, in the table's order; None: all of them."""
+    if not keys:
+        return LOADS
+    by_key = {load.key: load for load in LOADS}
+    wanted = [k.strip() for k in keys.split(",") if k.strip()]
+    unknown = [k for k in wanted if k not in by_key]
+    if unknown or not wanted:
+        raise SystemExit(f"--loads: unknown load {', '.join(unknown) or repr(keys)}; choose from {', '.join(by_key)}")
+    return tuple(load for load in LOADS if load.key in wanted)
 
 
 def run_serving(args, save) -> None:
+    loads = selected_loads(args.loads)
     started = time.strftime("%Y%m%d-%H%M%S")
     rounds = []
     for i in range(args.rounds):
@@ -313,12 +348,14 @@ def run_serving(args, save) -> None:
         print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}, seeds {seed}-{seed + len(LOADS)}", flush=True)
         rounds.append(
             {
-                name: serve_and_load(name, round_dir, args.quick, seed, args.stream_interval, args.direct_ingress)
+                name: serve_and_load(
+                    name, round_dir, args.quick, seed, args.stream_interval, args.direct_ingress, loads=loads
+                )
                 for name in order
             }
         )
-        print_round(i, rounds[-1])
-    ratios = summary(rounds)
+        print_round(i, rounds[-1], loads)
+    ratios = summary(rounds, loads)
     print_summary(ratios)
     ready = {s: mean(r[s]["ready_s"] for r in rounds) for s in ("baton", "vllm")}
     print(f"  start-up: Baton {ready['baton']:.1f} s, vLLM {ready['vllm']:.1f} s")
