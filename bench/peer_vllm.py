@@ -350,6 +350,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
+    if args.loads is not None:  # checked now: under `all`, serving starts after offline and prefix
+        from peer_vllm_serving import selected_loads
+
+        selected_loads(args.loads)
     modes = {
         "setup": setup,
         "offline": offline,

@@ -314,7 +314,8 @@ def print_summary(ratios: dict[str, dict[str, list[float | None]]]) -> None:
             f"{label} " + "/".join("n/a" if x is None else f"{x:.2f}" for x in xs) for label, xs in by_metric.items()
         )
         print(f"  {load:38} {cells}")
-    if len(next(iter(ratios.values()), {}).get("TTFT p90", [])) < 2:
+    num_rounds = max((len(xs) for by_metric in ratios.values() for xs in by_metric.values()), default=0)
+    if num_rounds < 2:
         return
     # one round's ratio moves by +-20% on a shared host: the median over rounds is the result
     print("Median over rounds")
