@@ -42,6 +42,18 @@ def redis_url(url: str | None = None) -> Iterator[str]:
             server.stop()
 
 
+def pick(option: str, keys: str | None, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """`option a,b` on a command line: those of `choices`, in their order; None: all of them.
+    Exits naming the option and the valid keys on an unknown key or an empty list."""
+    if keys is None:
+        return choices
+    wanted = [k.strip() for k in keys.split(",") if k.strip()]
+    unknown = [k for k in wanted if k not in choices]
+    if unknown or not wanted:
+        raise SystemExit(f"{option}: unknown {', '.join(unknown) or repr(keys)}; choose from {', '.join(choices)}")
+    return tuple(c for c in choices if c in wanted)
+
+
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     prompt_token_ids: list[int]

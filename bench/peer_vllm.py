@@ -2,6 +2,7 @@
 
     python bench/peer_vllm.py setup|offline|prefix|serving|arrivals|speculative|all [--quick] [--runs N] [--rounds N]
     python bench/peer_vllm.py serving --loads rate1,rate3 --rounds 4   # some loads, several rounds
+    python bench/peer_vllm.py offline --dtypes float32 --runs 4         # one dtype, more runs
     make bench-peer                    # setup, offline, prefix, one serving round
 
 setup    vLLM's CPU build in its own venv (.baton/peer-vllm-venv; never Baton's): torch 2.13.0
@@ -9,8 +10,8 @@ setup    vLLM's CPU build in its own venv (.baton/peer-vllm-venv; never Baton's)
          torchvision/torchaudio/torchcodec removed (built for another torch). Idempotent.
          Also the bench model (`baton make-tiny-model DIR --preset bench`).
 offline  the 64 requests of `bench/engine.py throughput` (prompts 16-512, outputs 16-256,
-         greedy, EOS ignored): Baton's LLM.generate vs vLLM's, float32 and bfloat16. float32
-         outputs must agree token for token; bfloat16 agreement is reported.
+         greedy, EOS ignored): Baton's LLM.generate vs vLLM's, float32 and bfloat16 (`--dtypes`
+         picks one). float32 outputs must agree token for token; bfloat16 agreement is reported.
 prefix   32 requests of 1,024 tokens sharing a 922-token prefix, added at once after one
          earlier request holding that prefix (the shape of `bench/engine.py prefix`),
          prefix caching on in both: TTFT (when the engine's step returns the request).
@@ -331,6 +332,9 @@ def main() -> None:
         help="serving: a comma-separated subset of rate1, rate3, prefix, c16 (default: all four)",
     )
     parser.add_argument(
+        "--dtypes", default=None, help="offline: a comma-separated subset of float32, bfloat16 (default: both)"
+    )
+    parser.add_argument(
         "--stream-interval", type=int, default=1, help="serving: tokens per streamed chunk, the same for both servers"
     )
     ingress = parser.add_mutually_exclusive_group()
@@ -350,10 +354,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    if args.loads is not None:  # checked now: under `all`, serving starts after offline and prefix
-        from peer_vllm_serving import selected_loads
+    # Checked now: under `all`, offline and serving start after setup, serving after prefix.
+    from peer_vllm_offline import selected_dtypes
+    from peer_vllm_serving import selected_loads
 
-        selected_loads(args.loads)
+    selected_dtypes(args.dtypes)
+    selected_loads(args.loads)
     modes = {
         "setup": setup,
         "offline": offline,

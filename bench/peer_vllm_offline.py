@@ -7,8 +7,15 @@ import argparse
 import sys
 from statistics import mean
 
-from common import mixed_workload
+from common import mixed_workload, pick
 from peer_vllm import agreement, alternate, job_for, print_ratios, rows, save
+
+DTYPES = ("float32", "bfloat16")
+
+
+def selected_dtypes(keys: str | None) -> tuple[str, ...]:
+    """`--dtypes float32`: those dtypes; None: both."""
+    return pick("--dtypes", keys, DTYPES)
 
 
 def run_offline(args: argparse.Namespace) -> None:
@@ -17,7 +24,7 @@ def run_offline(args: argparse.Namespace) -> None:
     useful = sum(r.max_tokens for r in requests)
     print(f"offline: {num} requests (bench/engine.py throughput), {useful} output tokens, {args.runs} run(s) each")
     report, failures = {}, []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in selected_dtypes(args.dtypes):
         job = job_for("offline", dtype, requests, enable_prefix_caching=True, baton_num_kv_blocks=4096)
         results = alternate(job, args.runs, f"offline-{dtype}")
         equal, frac = agreement(results["baton"][0]["token_ids"], results["vllm"][0]["token_ids"])

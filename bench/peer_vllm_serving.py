@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 from baton.services.launcher.ports import free_port
-from common import REPO, bench_model
+from common import REPO, bench_model, pick
 from peer_vllm import OUT, QUIET_CORES, VPY, WORKER, kill_session, load1, vllm_env
 from peer_vllm_worker import busy_jiffies, session_cpu
 
@@ -328,13 +328,7 @@ def print_summary(ratios: dict[str, dict[str, list[float | None]]]) -> None:
 
 def selected_loads(keys: str | None) -> tuple[Load, ...]:
     """`--loads rate1,c16`: those loads, in the table's order; None: all of them."""
-    if not keys:
-        return LOADS
-    by_key = {load.key: load for load in LOADS}
-    wanted = [k.strip() for k in keys.split(",") if k.strip()]
-    unknown = [k for k in wanted if k not in by_key]
-    if unknown or not wanted:
-        raise SystemExit(f"--loads: unknown load {', '.join(unknown) or repr(keys)}; choose from {', '.join(by_key)}")
+    wanted = pick("--loads", keys, tuple(load.key for load in LOADS))
     return tuple(load for load in LOADS if load.key in wanted)
 
 
