@@ -354,7 +354,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    # Checked now: under `all`, offline and serving start after setup, serving after prefix.
+    # Checked before any run: under `all`, offline runs after setup and serving runs last.
     from peer_vllm_offline import selected_dtypes
     from peer_vllm_serving import selected_loads
 
