@@ -8,9 +8,12 @@
 A decision is one index query (every alive worker's load and cached prefix, one Redis
 round trip), the policy's ranking, then one write that records speculative entries and
 pending load for the chosen worker, so the next request of a burst sees them; the write
-is sent without waiting for its reply (script_channel.py). A router holds no routing
-state of its own while Redis is up: replicas reading the same Redis decide the same.
-Calls are synchronous and take about a Redis round trip.
+is sent without waiting for its reply (script_channel.py). A caller that learns only later
+which worker took the request (Serve's request router) ranks with `hold=` instead: the
+placement counts in this router's own rankings (held_placements.py) until it `commit`s the
+worker that took it, or `release`s it. Beyond those holds a router keeps no routing state
+of its own while Redis is up: replicas reading the same Redis decide the same. Calls are
+synchronous, thread-safe, and take about a Redis round trip.
 
 Redis unavailable: the decision falls back to load-only ranking over the workers of the
 last successful query (their last loads, plus what this router placed since), logs once
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +37,7 @@ import redis
 from ..engine.core.block_hash import BlockHash
 from .availability import Availability
 from .config import RouterConfig
+from .held_placements import HeldPlacements
 from .keys import Keyspace
 from .policy import (
     LoadPolicy,
@@ -93,6 +98,8 @@ class PrefixRouter:
         self._outage_requests: Counter = Counter()  # placed per worker while Redis was unavailable
         self._outage_tokens: Counter = Counter()
         self._next_gc = clock() + config.index.gc_interval_s
+        self._held = HeldPlacements(config.index.pending_ttl_s, config.index.speculative_ttl_s > 0, clock)
+        self._ranking = threading.Lock()  # a ranking and its hold are one step for concurrent callers
 
     @classmethod
     def from_config(cls, config: RouterConfig, tokenizer=None) -> PrefixRouter:
@@ -110,12 +117,18 @@ class PrefixRouter:
         return self.route_prefill_hashes(request_id, len(prompt_token_ids), block_hashes)
 
     def route_prefill_hashes(
-        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash], record: bool = True
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        record: bool = True,
+        hold: str | None = None,
     ) -> Placement:
         """For a caller that hashed the prompt already (PromptHasher.block_hashes).
 
-        `record=False` ranks without recording the placement: the caller records the worker
-        that finally took the request with `commit` (Serve may skip the first choice)."""
+        `record=False` ranks without recording the placement. With `hold=key` as well, the
+        first worker is held under `key` until the caller commits the worker that finally
+        took the request (`commit`; Serve may skip the first choice) or releases it."""
         if len(block_hashes) != num_prompt_tokens // self.config.block_size:
             raise ValueError(
                 f"{len(block_hashes)} block hashes do not match {num_prompt_tokens} prompt tokens "
@@ -123,19 +136,29 @@ class PrefixRouter:
             )
         affinity_key = block_hashes[0] if block_hashes else b""
         request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size, affinity_key)
-        placement = self._route("prefill", self.prefill_policy, request, block_hashes, record)
+        placement = self._route("prefill", self.prefill_policy, request, block_hashes, record, hold)
         if placement.best is not None:
             self.counters.num_prompt_blocks += len(block_hashes)
             self.counters.num_cached_blocks += placement.best.num_cached_blocks
         return placement
 
-    def route_decode(self, request_id: str, num_prompt_tokens: int, record: bool = True) -> Placement:
+    def route_decode(
+        self, request_id: str, num_prompt_tokens: int, record: bool = True, hold: str | None = None
+    ) -> Placement:
         request = RoutingRequest(request_id, num_prompt_tokens, self.config.block_size)
-        return self._route("decode", self.decode_policy, request, (), record)
+        return self._route("decode", self.decode_policy, request, (), record, hold)
 
-    def commit(self, worker: RankedWorker, block_hashes: Sequence[BlockHash] = ()) -> None:
-        """Records that `worker` (from a placement made with record=False) took the request."""
+    def commit(self, worker: RankedWorker, block_hashes: Sequence[BlockHash] = (), held: str | None = None) -> None:
+        """Records that `worker` (from a placement made with record=False) took the request,
+        and releases its hold `held` (after the write is sent, so no ranking misses both)."""
         self._record(worker, block_hashes)
+        self.release(held)
+
+    def release(self, held: str | None) -> None:
+        """Ends a hold without recording anything (the request went nowhere it ranked)."""
+        if held is not None:
+            with self._ranking:
+                self._held.release(held)
 
     def complete(self, worker_id: str, num_new_tokens: int) -> None:
         """A committed request finished: its pending load leaves the worker's count at once,
@@ -196,12 +219,19 @@ class PrefixRouter:
         request: RoutingRequest,
         block_hashes: Sequence[BlockHash],
         record: bool = True,
+        hold: str | None = None,
     ) -> Placement:
+        if record and hold is not None:
+            raise ValueError("a placement is either recorded now or held (record=False) until its commit")
+        self.release(hold)  # a call ranked again does not count against its own earlier choice
         views = self._query(role, block_hashes)
         if views is None:
-            placement = self._fallback(role, policy, request)
+            placement = self._fallback(role, policy, request)  # counts its placements itself
         else:
-            placement = policy.rank(request, views)
+            with self._ranking:
+                placement = policy.rank(request, self._held.apply(views, block_hashes))
+                if hold is not None and placement.best is not None:
+                    self._held.hold(hold, placement.best, block_hashes)
             if record and placement.best is not None:
                 self._record(placement.best, block_hashes)
         self.counters.decisions[role, placement.reason.value] += 1

@@ -14,7 +14,14 @@ queue-length probes, rejection and backoff, retries, replica health.
 The placement is recorded for the replica Serve finally sends to (`on_request_routed`:
 speculative prefix entries and pending load), and its pending load is removed when the
 request completes (`on_request_completed`), so back-to-back requests see current load
-without waiting for the worker's next load report.
+without waiting for the worker's next load report. From its ranking to that commit (a
+replica round trip) the placement is held in this handle's router (held_placements.py), so
+the calls of a burst, ranked concurrently, spread over the replicas instead of all taking
+the one that was least loaded before the burst.
+
+A ranking routes the call it was made for (Serve's default matching by request id, not
+FIFOMixin's, which would hand the replica chosen for one prompt's prefix to whichever call
+is oldest).
 
 Replicas the router does not know yet (just started, not registered) go last, together;
 one that registered and then missed its heartbeats is fenced off (`_fence`) while another
@@ -33,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -52,18 +60,24 @@ from .router import PrefixRouter
 logger = logging.getLogger(__name__)
 
 
+# A ranking not followed by a send or a failure within this long belongs to a call that
+# was cancelled while it queued in the handle (Serve calls back neither hook for it).
+ROUTING_TTL_S = 60.0
+
+
 @dataclass(slots=True)
 class _Routed:
     placement: Placement
     block_hashes: list[BlockHash]
+    ranked_at: float
 
 
-class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
+class BatonRequestRouter(PublishesReplicaCount, RequestRouter):
     def initialize_state(self, router_config: dict, role: str) -> None:
         self.role = role
         self.router = PrefixRouter.from_config(RouterConfig.model_validate(router_config))
         self.decisions: Counter = Counter()  # by placement reason, for metrics
-        self._routing: dict[str, _Routed] = {}  # internal request id -> its latest ranking
+        self._routing: dict[str, _Routed] = {}  # internal request id -> its latest ranking, oldest first
         self._in_flight: dict[str, RankedWorker] = {}  # internal request id -> the worker that took it
         self._registered: set[str] = set()  # replica addresses seen in a live ranking
         self._fenced: set[str] = set()  # registered replicas whose heartbeat lapsed (logged once each)
@@ -98,14 +112,17 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         call = _call_of(pending_request)
         if call is None or not candidate_replicas:
             return [candidate_replicas] if candidate_replicas else []
+        key = pending_request.metadata.internal_request_id
         try:
-            routed = await asyncio.to_thread(self._rank, call)
+            routed = await asyncio.to_thread(self._rank, call, key)
         except Exception:  # a routing failure must not stop serving: Serve's order then
             logger.exception("prefix routing failed; using Serve's default order")
             return [candidate_replicas]
         self.decisions[routed.placement.reason.value] += 1
         metrics.record_decision(self.role, routed.placement.reason.value)
-        self._routing[pending_request.metadata.internal_request_id] = routed
+        self._routing.pop(key, None)
+        self._routing[key] = routed
+        self._forget_abandoned(routed.ranked_at)
         by_address = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         ranked: list[list[RunningReplica]] = []
         for worker in routed.placement.ranked:
@@ -118,6 +135,14 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         if unranked:
             ranked.append(unranked)
         return ranked
+
+    def _forget_abandoned(self, now: float) -> None:
+        while self._routing:
+            key, oldest = next(iter(self._routing.items()))
+            if now - oldest.ranked_at < ROUTING_TTL_S:
+                return
+            del self._routing[key]
+            self.router.release(key)
 
     def _fence(self, unranked: dict[str, RunningReplica], has_others: bool) -> list[RunningReplica]:
         """The replicas outside the router's live ranking that may still be tried, last.
@@ -141,31 +166,34 @@ class BatonRequestRouter(PublishesReplicaCount, FIFOMixin, RequestRouter):
         return kept
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        routed = self._routing.pop(pending_request.metadata.internal_request_id, None)
+        key = pending_request.metadata.internal_request_id
+        routed = self._routing.pop(key, None)
         if routed is None:
             return
         address = replica_id.to_full_id_str()
         worker = next((w for w in routed.placement.ranked if self._address(w.worker_id) == address), None)
-        if worker is not None:
-            self.router.commit(worker, routed.block_hashes)
-            self._in_flight[pending_request.metadata.internal_request_id] = worker
+        if worker is None:  # a replica outside the ranking (not registered yet) took it
+            self.router.release(key)
+            return
+        self.router.commit(worker, routed.block_hashes, held=key)
+        self._in_flight[key] = worker
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._routing.pop(internal_request_id, None)
+        if self._routing.pop(internal_request_id, None) is not None:  # it failed before being routed
+            self.router.release(internal_request_id)
         worker = self._in_flight.pop(internal_request_id, None)
         if worker is not None:
             self.router.complete(worker.worker_id, worker.num_new_tokens)
 
-    def _rank(self, call: GenerateCall | DecodeCall) -> _Routed:
+    def _rank(self, call: GenerateCall | DecodeCall, key: str) -> _Routed:
         generate = call.call if isinstance(call, DecodeCall) else call
+        num_tokens = len(generate.prompt_token_ids)
         if self.role == "decode":
-            placement = self.router.route_decode(generate.request_id, len(generate.prompt_token_ids), record=False)
-            return _Routed(placement, [])
+            placement = self.router.route_decode(generate.request_id, num_tokens, record=False, hold=key)
+            return _Routed(placement, [], time.monotonic())
         hashes = self.router.hasher.block_hashes(generate.prompt_token_ids, generate.cache_salt)
-        placement = self.router.route_prefill_hashes(
-            generate.request_id, len(generate.prompt_token_ids), hashes, record=False
-        )
-        return _Routed(placement, hashes)
+        placement = self.router.route_prefill_hashes(generate.request_id, num_tokens, hashes, record=False, hold=key)
+        return _Routed(placement, hashes, time.monotonic())
 
     def _address(self, worker_id: str) -> str | None:
         info = self.router.worker_info(worker_id)

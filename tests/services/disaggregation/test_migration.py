@@ -328,6 +328,9 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     assert len(router.route_decode("probe", 8, record=False).ranked) == 2
     streams = Streams(client, PROMPTS, LONG_OUTPUT)
     streams.first_token.wait()
+    handle = serve.get_deployment_handle("decode", app_name="baton")
+    running = [report[2].num_running for report in handle.broadcast("integrity_report").results()]
+    assert min(running) > 0, running  # the burst spread: the replica drained below holds streams
     retired = {}  # when the drained worker left the ranking, and which decode processes ran then
 
     def watch() -> None:
@@ -356,5 +359,5 @@ def test_scaling_decode_down_mid_stream_loses_nothing(deployment, client, offlin
     print(f"scale-down: {len(migrated)}/8 streams outlasted the drain budget and were migrated")
     assert migrated, streams.kv_paths  # the drained replica's streams outlasted its budget
     assert replica_pids("prefill") + replica_pids("gateway") == others  # a lightweight update: no restart
-    (report,) = serve.get_deployment_handle("decode", app_name="baton").broadcast("integrity_report").results()
+    (report,) = handle.broadcast("integrity_report").results()
     assert report[2].num_free_kv_blocks == report[2].num_kv_blocks
