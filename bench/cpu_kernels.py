@@ -3,7 +3,7 @@
     python bench/cpu_kernels.py linear [--dtype float32|bfloat16]   # blocked linear vs what `linear` runs without it
     python bench/cpu_kernels.py decode [--dtype float32|bfloat16]   # the engine's decode step, both ways
     python bench/cpu_kernels.py prefill                             # prefill attention vs the reference
-    python bench/cpu_kernels.py int8                                # the int8 linear vs the float32 one
+    python bench/cpu_kernels.py int8                                # the int8 and w8a8 linears vs the float32 one
 
 linear   every linear shape of the bench model (and its LM head) at 1-2,048 rows: the blocked
          kernel (kernels/csrc/cpu_blocked_linear.cpp) and oneDNN's packed GEMM on the same
@@ -19,9 +19,10 @@ prefill  causal prefill attention (8 query / 4 KV heads of 64, float32) over the
          one prompt and of a prefix-cached step (18 requests' 112 new tokens after 912 cached):
          the C++ kernel (kernels/csrc/cpu_paged_prefill_attention.cpp) against
          `prefill_attention_ref` (gather + torch's flash attention), which the CPU ran before.
-int8     the bench model's layer shapes at 1-32 rows: the int8 linear (kernels/csrc/
-         cpu_int8_linear.cpp) against the blocked float32 one, weights read from memory as in
-         `linear`; time ratio float32 / int8 summed over the shapes.
+int8     the bench model's layer shapes at 1-32 rows and 256: the weight-only int8 linear
+         (kernels/csrc/cpu_int8_linear.cpp) and the w8a8 one (cpu_w8a8_linear.cpp, int8
+         activations) against the blocked float32 one, weights read from memory as in
+         `linear`; time ratios float32 / int8 and float32 / w8a8 summed over the shapes.
 
 Each prints the baseline it measured and the ratio. 2 torch threads unless --threads.
 """
@@ -33,6 +34,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from baton.kernels import cpu_ops
@@ -40,11 +42,13 @@ from baton.kernels.reference import prefill_attention_ref
 from baton.services.model import blocked_linear, embedding, linear
 from baton.services.model.blocked_linear import pack_blocks
 from baton.services.model.int8_linear import Int8Weight
+from baton.services.model.w8a8_linear import W8A8Weight
 from common import bench_model
 
 # (N, K) of the bench model: qkv, o, gate_up, down, LM head
 SHAPES = ((1024, 512), (512, 512), (3072, 512), (512, 1536), (8192, 512))
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
+INT8_ROWS = (1, 2, 4, 8, 16, 32, 256)  # decode batches, and a prefill chunk
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -103,31 +107,43 @@ def bench_linear(dtype: torch.dtype) -> None:
 def bench_int8() -> None:
     if not torch.ops.baton_cpu.blocked_linear_supported(torch.float32):
         raise SystemExit("this CPU's build has no blocked float32 linear to compare with")
+    if not torch.ops.baton_cpu.w8a8_linear_fast():
+        print("(this build's w8a8 kernel is the scalar one)")
     totals: dict[int, list[float]] = {}
-    print(f"int8 linear vs blocked float32, {torch.get_num_threads()} threads (us per call, best of 5)")
+    print(f"int8 and w8a8 linears vs blocked float32, {torch.get_num_threads()} threads (us per call, best of 5)")
     for n, k in SHAPES[:-1]:  # the layers; the LM head stays as in `linear`
         copies = max(1, int(150e6 / (n * k * 4)))
         weights = [torch.randn(n, k) * 0.1 for _ in range(copies)]
         int8 = [Int8Weight.from_float(w, "cpp") for w in weights]
+        w8a8 = [W8A8Weight.from_float(w, "cpp") for w in weights]
         blocks = [pack_blocks(w) for w in weights]
-        for rows in (1, 2, 4, 8, 16, 32):
+        for rows in INT8_ROWS:
             x = torch.randn(rows, k)
+            # From 256 rows the multiply is compute-bound and reuses its weights anyway: two copies do.
+            use = copies if rows < 256 else min(2, copies)
 
-            def run_int8(x=x, int8=int8) -> None:
-                for w in int8:
+            def run_quantized(x=x, quantized=None) -> None:
+                for w in quantized:
                     w(x)
 
-            def run_float32(x=x, blocks=blocks, n=n) -> None:
+            def run_float32(x=x, blocks=blocks[:use], n=n) -> None:
                 for b in blocks:
                     torch.ops.baton_cpu.blocked_linear(x, b, None, n)
 
-            run_int8(), run_float32()
-            a, b = best_of(run_float32, 5) / copies, best_of(run_int8, 5) / copies
-            totals.setdefault(rows, [0.0, 0.0])
-            totals[rows][0] += a
-            totals[rows][1] += b
-    for rows, (a, b) in totals.items():
-        print(f"  {rows:3} rows: float32 {a * 1e6:6.0f}  int8 {b * 1e6:6.0f}  float32 / int8 {a / b:.2f}")
+            arms = (
+                run_float32,
+                partial(run_quantized, quantized=int8[:use]),
+                partial(run_quantized, quantized=w8a8[:use]),
+            )
+            for arm in arms:
+                arm()  # warm
+            times = [best_of(arm, 5) / use for arm in arms]
+            totals[rows] = [a + b for a, b in zip(totals.get(rows, [0.0] * 3), times)]
+    for rows, (a, b, c) in totals.items():
+        print(
+            f"  {rows:4} rows: float32 {a * 1e6:7.0f}  int8 {b * 1e6:7.0f}  w8a8 {c * 1e6:7.0f}"
+            f"  float32 / int8 {a / b:.2f}  float32 / w8a8 {a / c:.2f}"
+        )
 
 
 def _engine(dtype: str, blocked: bool):

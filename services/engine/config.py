@@ -36,7 +36,7 @@ class ModelConfig(BaseModel):
         description="int8: weight-only int8 linear layers and LM head (symmetric, one scale per output channel), "
         "float checkpoints quantized at load, activations in `dtype`; w8a8: the same int8 weights, and the "
         "linear layers' activations quantized to int8 per token on every call (the LM head stays weight-only; "
-        "CPU only, fast with AVX512-VNNI, model/w8a8_linear.py); None: as the checkpoint stores them (a "
+        "CPU only, fast with AVX512-VNNI or AVX2, model/w8a8_linear.py); None: as the checkpoint stores them (a "
         "compressed-tensors W8A16 checkpoint loads int8, a W8A8 one w8a8, model/compressed_tensors.py; int8 "
         "runs a W8A8 checkpoint weight-only)",
     )
@@ -249,7 +249,7 @@ class EngineConfig(BaseModel):
     def _w8a8_on_the_cpu(self) -> EngineConfig:
         if self.model.quantization == "w8a8" and self.runner.device == "cuda":
             raise ValueError(
-                "quantization w8a8 runs on the CPU only (its kernel is AVX512-VNNI's); runner.device is 'cuda': "
+                "quantization w8a8 runs on the CPU only (its kernel is an x86 one); runner.device is 'cuda': "
                 "use quantization int8 (weight-only) on GPUs"
             )
         return self

@@ -7,9 +7,9 @@ the activations quantized to int8 on every call with a scale of its own:
 
 Per token, so a request's outputs do not depend on which requests share its batch. On the CPU
 the multiply is kernels/csrc/cpu_w8a8_linear.cpp (AVX512-VNNI's vpdpbusd, 64 multiply-adds
-an instruction): where weight-only int8 widens every weight to float32 and so costs as much as
-float32 from a few rows up on CPUs without AMX, this stays ahead at decode batches of 4-16
-rows. The price is the activations' rounding (`bench/int8.py` reports the agreement with
+an instruction; on AVX2 CPUs int16 products with vpmaddwd, 16): where weight-only int8 widens
+every weight to float32 and so costs as much as float32 from a few rows up on CPUs without
+AMX, this stays ahead at decode batches of 4-16 rows. The price is the activations' rounding (`bench/int8.py` reports the agreement with
 float32 of both). `w8a8_linear_ref` is the reference the kernel is tested against, and what
 runs with kernel_backend "torch". There is no GPU kernel: a weight off the CPU is refused.
 """
@@ -38,7 +38,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nonzero = amax > 0
     inv = torch.where(nonzero, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
-    return q, torch.where(nonzero, amax / 127, torch.zeros_like(amax))
+    return q, torch.where(nonzero | amax.isnan(), amax / 127, torch.zeros_like(amax))  # a NaN's row stays NaN
 
 
 def w8a8_linear_ref(
@@ -73,9 +73,9 @@ def _kernel_is_fast() -> bool:
     if not fast and not _warned_slow:
         _warned_slow = True
         logger.warning(
-            "quantization w8a8: this CPU (or this build) has no AVX512-VNNI, so the int8 x int8 "
-            "kernel runs scalar code, far slower than float32; quantization int8 (weight-only) "
-            "is the one to use here"
+            "quantization w8a8: this CPU (or this build) has neither AVX512-VNNI nor AVX2, so the "
+            "int8 x int8 kernel runs scalar code, far slower than float32; quantization int8 "
+            "(weight-only) is the one to use here"
         )
     return fast
 
@@ -96,7 +96,7 @@ class W8A8Weight:
     def from_float(cls, weight: torch.Tensor, impl: str, scale: torch.Tensor | None = None) -> W8A8Weight:
         if weight.device.type != "cpu":
             raise ValueError(
-                f"quantization w8a8 runs on the CPU only (its kernel is AVX512-VNNI's); this weight is on "
+                f"quantization w8a8 runs on the CPU only (its kernel is an x86 one); this weight is on "
                 f"{weight.device}: use quantization int8 (weight-only) there"
             )
         q, scale = quantize_int8(weight, scale)

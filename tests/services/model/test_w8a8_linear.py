@@ -47,6 +47,17 @@ def test_the_kernel_gives_the_references_exact_sums(rows, num_out, num_in):
 
 
 @needs_kernel
+@pytest.mark.parametrize("at", [0, 37, 60])  # in the vector part, a later one, the tail
+def test_a_nan_in_a_row_makes_that_row_nan_and_no_other(at):
+    weight, x = _randn(40, 61, seed=0) * 0.1, _randn(3, 61, seed=1)
+    x[1, at] = float("nan")
+    w8a8 = W8A8Weight.from_float(weight, "cpp")
+    y, expected = w8a8(x), w8a8_linear_ref(x, *quantize_int8(weight))
+    assert y[1].isnan().all() and expected[1].isnan().all()
+    assert torch.equal(y[[0, 2]], expected[[0, 2]])
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_its_batch():
     """Per-token scales: a request's outputs are the same whichever requests share its step
     (a per-tensor scale would change every row when one row's magnitude changes)."""
