@@ -27,9 +27,9 @@
 // instruction) and vpmaddwd multiplies them by q_x as int16, adding pairs into int32 lanes:
 // 16 multiply-adds an instruction, exact (|products| <= 127 * 127). No + 128 offset there,
 // so no column sums either: the same integers. Measured on a Zen 3 core, vpmaddwd plus its
-// vpaddd run ~1.7x the multiply-adds a second of float32 FMAs, and a weight costs a quarter
-// of a widening instruction instead of int8_linear's two. A register tile is up to 6 rows of
-// half a block (8 channels), or 1-2 rows of a whole one.
+// vpaddd run ~1.7x the multiply-adds a second of float32 FMAs, and one instruction widens 16
+// weights where int8_linear's float path takes two for 8. A register tile is up to 6 rows of
+// half a block (8 channels).
 //
 // Builds with neither run the same arithmetic in scalar code (`w8a8_linear_fast` says
 // which): the results are equal.
@@ -266,15 +266,11 @@ void tile_avx2(const int16_t* xs, int64_t kp, const int8_t* quarter, const float
   }
 }
 
-// Every row against one block: its 16 channels at once for one or two rows, else each half
-// (8 channels) in tiles of up to 6 rows (12 accumulators).
+// Every row against one block: each half (8 channels) in tiles of up to 6 rows (12
+// accumulators). Whole-block tiles of one or two rows compiled to spills and register copies
+// in the k loop (GCC loads all four weight vectors first).
 void rows_against_block(const int16_t* xs, int64_t M, int64_t kp, const int8_t* block, const float* row_scales,
                         const float* scale, const float* bias, float* y, int64_t N, int64_t n0, int64_t valid) {
-  if (M <= 2) {
-    if (M == 1) tile_avx2<1, 4>(xs, kp, block, row_scales, scale, bias, y, N, n0, valid);
-    else tile_avx2<2, 4>(xs, kp, block, row_scales, scale, bias, y, N, n0, valid);
-    return;
-  }
   for (int64_t m = 0; m < M; m += 6) {
     const int16_t* xm = xs + m * kp;
     float* ym = y + m * N;

@@ -82,6 +82,7 @@ class BatonRequestRouter(PublishesReplicaCount, RequestRouter):
         self._registered: set[str] = set()  # replica addresses seen in a live ranking
         self._fenced: set[str] = set()  # registered replicas whose heartbeat lapsed (logged once each)
         self._known: set[str] = set()  # Serve's replica set as this handle last saw it
+        self.routing_ttl_s = ROUTING_TTL_S
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
@@ -139,7 +140,7 @@ class BatonRequestRouter(PublishesReplicaCount, RequestRouter):
     def _forget_abandoned(self, now: float) -> None:
         while self._routing:
             key, oldest = next(iter(self._routing.items()))
-            if now - oldest.ranked_at < ROUTING_TTL_S:
+            if now - oldest.ranked_at < self.routing_ttl_s:
                 return
             del self._routing[key]
             self.router.release(key)

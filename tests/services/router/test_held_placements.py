@@ -13,7 +13,6 @@ from collections import Counter
 import pytest
 from baton.services.roles import Role
 from baton.services.router import PrefixRouter, RankedWorker, WorkerLoad, WorkerView
-from baton.services.router import serve_request_router as serve_router_module
 from baton.services.router.held_placements import HeldPlacements
 from testlib.serve_router import candidates, choose, pending, rank, serve_router, wait_ranked
 
@@ -117,7 +116,7 @@ async def test_a_burst_through_the_serve_router_spreads_then_commits(config, wor
     assert router._in_flight == {} and router._routing == {}
 
 
-async def test_calls_that_go_nowhere_ranked_release_their_holds(config, workers, monkeypatch):
+async def test_calls_that_go_nowhere_ranked_release_their_holds(config, workers):
     _start_decode(config, workers, "a")
     router = serve_router(config)
     replicas = candidates("decode", "a", "new")  # "new" has not registered: ranked after "a"
@@ -130,10 +129,10 @@ async def test_calls_that_go_nowhere_ranked_release_their_holds(config, workers,
     router.on_request_completed(replicas[0].replica_id, failed.metadata.internal_request_id)  # failed unsent
     assert len(router.router._held) == 1 and router._in_flight == {}
 
-    # A call cancelled while it queued in the handle gets neither callback: the next ranking
-    # after ROUTING_TTL_S forgets it.
-    monkeypatch.setattr(serve_router_module, "ROUTING_TTL_S", 0.0)
+    # A call cancelled while it queued in the handle gets neither callback: the first ranking
+    # after routing_ttl_s forgets it and ends its hold.
+    router._routing[abandoned.metadata.internal_request_id].ranked_at -= router.routing_ttl_s
     await choose(router, replicas, later := pending(3))
-    assert list(router._routing) == [] and len(router.router._held) == 0
-    router.on_request_routed(later, replicas[0].replica_id, None)  # forgotten: nothing to commit
+    assert list(router._routing) == [later.metadata.internal_request_id] and len(router.router._held) == 1
+    router.on_request_routed(abandoned, replicas[0].replica_id, None)  # forgotten: nothing to commit
     assert router._in_flight == {}
