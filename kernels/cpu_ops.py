@@ -3,7 +3,11 @@
 `torch.utils.cpp_extension` compiles them with the machine's C++ compiler for the machine's
 own CPU (-march=native) into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions), once per source change; other processes load the built library,
-and a file lock keeps concurrent builds apart. The first build takes about 20 s.
+and a file lock keeps concurrent builds apart. The first build takes about 20 s. Each copy
+of Baton (a checkout, an installed package) builds into a folder of its own
+(`library_name`): two copies with different sources, such as a CI clone beside a working
+tree, would otherwise rebuild over each other there, and a process could load the other
+copy's library.
 
 Where no compiler is found or the build fails, `available()` is False, a warning says why
 (once per process), and `ops` falls back to the torch references; BATON_CPU_KERNELS=0 turns
@@ -13,6 +17,7 @@ be built.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -154,12 +159,18 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def library_name(library: str, csrc: Path = SOURCES[0].parent) -> str:
+    """The extension's name, and so its folder in torch's cache: `library` tagged with this
+    copy of the sources' location."""
+    return f"{library}_{hashlib.sha256(str(csrc.resolve()).encode()).hexdigest()[:10]}"
+
+
 def _load(name: str, extra_cflags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
     load(
-        name=name,
+        name=library_name(name),
         sources=[str(path) for path in SOURCES],
         extra_cflags=CFLAGS + extra_cflags,
         extra_ldflags=["-fopenmp"],
