@@ -49,6 +49,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -83,8 +84,18 @@ inline float divide(float a, float b) { return a / b; }
 inline float multiply(float a, float b) { return a * b; }
 #endif
 
-// Row m's scale (s_x) and its values as unsigned bytes q_x + 128, K padded with 128 (a zero).
-void quantize_row(const float* x, int64_t K, int64_t kp, uint8_t* q, float* scale) {
+// The activations as the path multiplies them: unsigned bytes q_x + 128 for vpdpbusd (and
+// the scalar path, which follows its arithmetic), q_x itself as int16 for vpmaddwd.
+#if defined(BATON_W8A8_AVX2)
+using Activation = int16_t;
+constexpr int32_t kOffset = 0;
+#else
+using Activation = uint8_t;
+constexpr int32_t kOffset = 128;
+#endif
+
+// Row m's scale (s_x) and its values (Activation), K padded with zeros.
+void quantize_row(const float* x, int64_t K, int64_t kp, Activation* q, float* scale) {
   float amax = 0.f;
   bool nan = false;  // max drops a NaN operand: tracked on its own, so a NaN's row stays NaN
   int64_t k = 0;
@@ -117,7 +128,7 @@ void quantize_row(const float* x, int64_t K, int64_t kp, uint8_t* q, float* scal
   }
   if (nan) amax = std::numeric_limits<float>::quiet_NaN();
   if (!(amax > 0.f)) {  // an all-zero row: every product is zero; a NaN scale keeps a NaN's row NaN
-    std::memset(q, 128, kp);
+    std::fill(q, q + kp, static_cast<Activation>(kOffset));
     *scale = amax == 0.f ? 0.f : amax;
     return;
   }
@@ -126,30 +137,25 @@ void quantize_row(const float* x, int64_t K, int64_t kp, uint8_t* q, float* scal
   k = 0;
 #if defined(BATON_W8A8_VNNI)
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i bias = _mm512_set1_epi32(128);
+  const __m512i bias = _mm512_set1_epi32(kOffset);
   for (; k + 16 <= K; k += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), vinv));  // rounds half to even
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, bias)));
   }
 #elif defined(BATON_W8A8_AVX2)
   const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256i bias = _mm256_set1_epi32(128);
-  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
-                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   for (; k + 8 <= K; k += 8) {
     const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));  // rounds half to even
-    const __m256i packed = _mm256_shuffle_epi8(_mm256_add_epi32(v, bias), bytes);  // each lane's low byte
-    const uint32_t low = static_cast<uint32_t>(_mm256_extract_epi32(packed, 0));
-    const uint32_t high = static_cast<uint32_t>(_mm256_extract_epi32(packed, 4));
-    const uint64_t both = low | (static_cast<uint64_t>(high) << 32);
-    std::memcpy(q + k, &both, sizeof(both));
+    // packs: (v0..v3 twice | v4..v7 twice) as int16, exact (|q| <= 127); the permute joins the halves
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(packed));
   }
 #endif
   for (int64_t i = k; i < K; ++i) {
     const float v = multiply(x[i], inv);
-    q[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v)) + 128);
+    q[i] = static_cast<Activation>(static_cast<int32_t>(std::nearbyint(v)) + kOffset);
   }
-  std::memset(q + K, 128, kp - K);
+  std::fill(q + K, q + kp, static_cast<Activation>(kOffset));
 }
 
 #if defined(BATON_W8A8_VNNI)
@@ -228,43 +234,61 @@ void rows_against_blocks(const uint8_t* q, int64_t M, int64_t kp, const int8_t* 
   }
 }
 #elif defined(BATON_W8A8_AVX2)
-// kRows rows (q_x as int16, rows kp apart) against kQuarters x 4 channels of a block, from
-// `quarter` (its first weight in the block's first group line). A ymm of widened weights is 4
-// channels x 4 k; vpmaddwd leaves each channel's sum in two adjacent lanes.
-template <int kRows, int kQuarters>
-void tile_avx2(const int16_t* xs, int64_t kp, const int8_t* quarter, const float* row_scales, const float* scale,
+// One row's step of a tile: a0 += x . w0, a1 += x . w1 for the group's four activations x
+// (broadcast from `src`) against two ymm of widened weights (4 channels x 4 k each;
+// vpmaddwd leaves each channel's sum in two adjacent lanes). In asm because GCC, given the
+// same intrinsics, hoists every row's broadcast above the multiplies and, out of registers,
+// keeps accumulators on the stack: a 4-row tile's k loop stored and reloaded one every
+// group (a store-to-load chain), and 3-6 row tiles copied registers. Here the accumulators
+// stay in place, 12 of them plus 2 weights and 2 temporaries: all 16 ymm at 6 rows.
+#define BATON_W8A8_ROW(a0, a1, src)                                                         \
+  do {                                                                                       \
+    __m256i x_, p_;                                                                          \
+    asm("vpbroadcastq %[s], %[x]\n\t"                                                        \
+        "vpmaddwd %[w0], %[x], %[p]\n\t"                                                     \
+        "vpmaddwd %[w1], %[x], %[x]\n\t"                                                     \
+        "vpaddd %[p], %[A0], %[A0]\n\t"                                                      \
+        "vpaddd %[x], %[A1], %[A1]"                                                          \
+        : [A0] "+x"(a0), [A1] "+x"(a1), [x] "=&x"(x_), [p] "=&x"(p_)                         \
+        : [w0] "x"(w0), [w1] "x"(w1), [s] "m"(*reinterpret_cast<const int64_t*>(src))); \
+  } while (0)
+
+// kRows rows (q_x as int16, rows kp apart) against half a block (8 channels), from `half`
+// (its first weight in the block's first group line).
+template <int kRows>
+void tile_avx2(const int16_t* xs, int64_t kp, const int8_t* half, const float* row_scales, const float* scale,
                const float* bias, float* y, int64_t N, int64_t n0, int64_t valid) {
-  __m256i acc[kRows][kQuarters];
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kQuarters; ++j) acc[r][j] = _mm256_setzero_si256();
+  static_assert(kRows >= 1 && kRows <= 6, "a tile is 1-6 rows");
+  const __m256i z = _mm256_setzero_si256();
+  // Named, not an array: GCC keeps an array that asm operands name on the stack.
+  __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
   for (int64_t g = 0; g < kp / kGroup; ++g) {
-    const int8_t* line = quarter + g * kGroup * kBlock;
-    __m256i w[kQuarters];
-    for (int j = 0; j < kQuarters; ++j)
-      w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * j)));
-    for (int r = 0; r < kRows; ++r) {
-      int64_t four;  // the group's four activations
-      std::memcpy(&four, xs + r * kp + g * kGroup, sizeof(four));
-      const __m256i x = _mm256_set1_epi64x(four);
-      for (int j = 0; j < kQuarters; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(x, w[j]));
-    }
+    const int8_t* line = half + g * kGroup * kBlock;
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16)));
+    const int16_t* x = xs + g * kGroup;
+    BATON_W8A8_ROW(a00, a01, x);
+    if constexpr (kRows > 1) BATON_W8A8_ROW(a10, a11, x + kp);
+    if constexpr (kRows > 2) BATON_W8A8_ROW(a20, a21, x + 2 * kp);
+    if constexpr (kRows > 3) BATON_W8A8_ROW(a30, a31, x + 3 * kp);
+    if constexpr (kRows > 4) BATON_W8A8_ROW(a40, a41, x + 4 * kp);
+    if constexpr (kRows > 5) BATON_W8A8_ROW(a50, a51, x + 5 * kp);
   }
+  const __m256i acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int j = 0; j < kQuarters; j += 2) {  // 8 channels a store
-    const int64_t first = 4 * j, count = std::clamp<int64_t>(valid - first, 0, 8);
-    if (count == 0) break;
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes);
-    const __m256 channel = _mm256_maskload_ps(scale + n0 + first, mask);
-    const __m256 bv = bias ? _mm256_maskload_ps(bias + n0 + first, mask) : _mm256_setzero_ps();
-    for (int r = 0; r < kRows; ++r) {
-      // hadd: channels (0, 1, 4, 5 | 2, 3, 6, 7); the 64-bit permute puts them in order
-      const __m256i sum = _mm256_hadd_epi32(acc[r][j], acc[r][j + 1]);
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(sum, 0xD8));
-      const __m256 v = _mm256_mul_ps(dot, _mm256_mul_ps(_mm256_set1_ps(row_scales[r]), channel));
-      _mm256_maskstore_ps(y + r * N + n0 + first, mask, bias ? _mm256_add_ps(v, bv) : v);
-    }
+  const int64_t count = std::min<int64_t>(valid, 8);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes);
+  const __m256 channel = _mm256_maskload_ps(scale + n0, mask);
+  const __m256 bv = bias ? _mm256_maskload_ps(bias + n0, mask) : _mm256_setzero_ps();
+  for (int r = 0; r < kRows; ++r) {
+    // hadd: channels (0, 1, 4, 5 | 2, 3, 6, 7); the 64-bit permute puts them in order
+    const __m256i sum = _mm256_hadd_epi32(acc[r][0], acc[r][1]);
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(sum, 0xD8));
+    const __m256 v = _mm256_mul_ps(dot, _mm256_mul_ps(_mm256_set1_ps(row_scales[r]), channel));
+    _mm256_maskstore_ps(y + r * N + n0, mask, bias ? _mm256_add_ps(v, bv) : v);
   }
 }
+#undef BATON_W8A8_ROW
 
 // Every row against one block: each half (8 channels) in tiles of up to 6 rows (12
 // accumulators). Whole-block tiles of one or two rows compiled to spills and register copies
@@ -279,7 +303,7 @@ void rows_against_block(const int16_t* xs, int64_t M, int64_t kp, const int8_t* 
       const int8_t* half = block + 32 * h;  // 8 channels x 4 k of each group line
       const int64_t nh = n0 + 8 * h, vh = valid - 8 * h;
 #define BATON_W8A8_TILE(R) \
-  case R: tile_avx2<R, 2>(xm, kp, half, sm, scale, bias, ym, N, nh, vh); break;
+  case R: tile_avx2<R>(xm, kp, half, sm, scale, bias, ym, N, nh, vh); break;
       switch (std::min<int64_t>(6, M - m)) {
         BATON_W8A8_TILE(1)
         BATON_W8A8_TILE(2)
@@ -354,24 +378,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
-  at::Tensor q = at::empty({M, kp}, x.options().dtype(at::kByte));
+  at::Tensor q = at::empty({M, kp}, x.options().dtype(std::is_same_v<Activation, int16_t> ? at::kShort : at::kByte));
   at::Tensor row_scales = at::empty({M}, x.options());
   const float* xp = xc.data_ptr<float>();
-  uint8_t* qp = q.data_ptr<uint8_t>();
+  Activation* activations = static_cast<Activation*>(q.data_ptr());
   float* sp = row_scales.data_ptr<float>();
-#if defined(BATON_W8A8_AVX2)
-  at::Tensor signed_q = at::empty({M, kp}, x.options().dtype(at::kShort));  // q_x itself, vpmaddwd's operand
-  int16_t* activations = signed_q.data_ptr<int16_t>();
-#else
-  const uint8_t* activations = qp;
-#endif
   baton::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      quantize_row(xp + m * K, K, kp, qp + m * kp, sp + m);
-#if defined(BATON_W8A8_AVX2)
-      for (int64_t k = 0; k < kp; ++k) activations[m * kp + k] = static_cast<int16_t>(qp[m * kp + k] - 128);
-#endif
-    }
+    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, K, kp, activations + m * kp, sp + m);
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cs = column_sums.data_ptr<int32_t>();

@@ -52,6 +52,22 @@ def int8_linear_ref(
     return y if bias is None else y + bias
 
 
+def in_float32(x: torch.Tensor, bias: torch.Tensor | None, out_features: int, kernel) -> torch.Tensor:
+    """`kernel(rows, bias)` on x's rows and the bias in float32, the kernels' dtype, and y in x's
+    dtype. Converts only what is not float32 already: a decode step makes ~30 of these calls,
+    and each no-op conversion costs a dispatch (the float32 wrapper took 13 us a call where
+    the op takes 4)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    y = kernel(rows, bias)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], out_features)
+
+
 def pack_channel_blocks(q: torch.Tensor, block: int, group: int, pad_k: int) -> torch.Tensor:
     """[N, K] as blocks of `block` channels with k in groups of `group`, [N/block, K/group,
     block, group], K padded to a multiple of `pad_k` and channels to whole blocks with zeros
@@ -124,7 +140,6 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.blocked:
             return int8_linear_ref(x, self.values, self.scale, bias)
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        b = None if bias is None else bias.float().contiguous()
-        y = torch.ops.baton_cpu.int8_linear(rows, self.values, self.scale, b, self.shape[0], self.amx_min_rows)
-        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        n = self.shape[0]
+        op = torch.ops.baton_cpu.int8_linear
+        return in_float32(x, bias, n, lambda rows, b: op(rows, self.values, self.scale, b, n, self.amx_min_rows))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .int8_linear import pack_channel_blocks, quantize_int8, unpack_channel_blocks, uses_int8_kernel
+from .int8_linear import in_float32, pack_channel_blocks, quantize_int8, unpack_channel_blocks, uses_int8_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,6 @@ class W8A8Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.blocked:
             return w8a8_linear_ref(x, self.values, self.scale, bias)
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        b = None if bias is None else bias.float().contiguous()
-        y = torch.ops.baton_cpu.w8a8_linear(rows, self.values, self.column_sums, self.scale, b, self.shape[0])
-        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        n = self.shape[0]
+        op = torch.ops.baton_cpu.w8a8_linear
+        return in_float32(x, bias, n, lambda rows, b: op(rows, self.values, self.column_sums, self.scale, b, n))
