@@ -35,6 +35,15 @@ struct Operands {
 // registers takes 0.79x the widened time at 3-4 rows, widened 0.86x in-register's at 32.
 constexpr int64_t kWidenRows = 16;
 
+// A one-block tile (3-6 rows) prefetches this many bytes ahead in its block's stream. With the
+// weights in memory, as in a decode step, the bench model's layers at 3-16 rows took 0.84-0.90x
+// the time (64 rows 0.98x, 256 the same; Zen 3, 2 threads). The 2- and 4-block tiles of 1-2
+// rows read 2-4 streams at once: a prefetch for each made 1 row 1.10-1.13x slower, so they
+// have none.
+#ifndef BATON_BLOCKED_PREFETCH
+#define BATON_BLOCKED_PREFETCH 4096
+#endif
+
 template <typename W>
 constexpr int64_t block_elems(int64_t K) {
   return std::is_same_v<W, float> ? K * kBlock : (K + 1) / 2 * 2 * kBlock;
@@ -54,6 +63,10 @@ __attribute__((noinline)) void accumulate(const float* x, int64_t ldx, const flo
 #pragma GCC unroll 16
     for (int j = 0; j < 2 * kBlocks; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+#if BATON_BLOCKED_PREFETCH
+    if constexpr (kBlocks == 1)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * kBlock) + BATON_BLOCKED_PREFETCH, _MM_HINT_T0);
+#endif
     __m256 wv[2 * kBlocks];
     for (int j = 0; j < 2 * kBlocks; ++j) wv[j] = _mm256_loadu_ps(w + ((j / 2) * K + k) * kBlock + 8 * (j % 2));
     for (int r = 0; r < kRows; ++r) {
