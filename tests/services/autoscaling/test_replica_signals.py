@@ -13,16 +13,9 @@ from baton.services.engine.api.sampling_params import RequestOutputKind
 from baton.services.engine.config import EngineConfig
 from baton.services.worker_calls import DecodeCall, GenerateCall
 from baton.services.workers.engine_worker import EngineWorker
+from testlib.fake_clock import FakeClock
 
 PROMPT = list(range(100, 164))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def output(request_id: str, num_tokens: int, finished: bool = False, preemptions: int = 0) -> RequestOutput:
@@ -38,7 +31,7 @@ def output(request_id: str, num_tokens: int, finished: bool = False, preemptions
 
 
 def test_prefill_rate_counts_busy_time_once_for_overlapping_prompts():
-    clock = Clock()
+    clock = FakeClock(100.0)
     meter = ReplicaSignals(window_s=10.0, clock=clock)
     meter.prefill_started()
     meter.prefill_started()
@@ -54,7 +47,7 @@ def test_prefill_rate_counts_busy_time_once_for_overlapping_prompts():
 
 
 def test_tpot_and_preemptions_from_delta_outputs():
-    clock = Clock()
+    clock = FakeClock(100.0)
     meter = ReplicaSignals(window_s=10.0, clock=clock)
     meter.output(output("a", 1))
     for _ in range(4):

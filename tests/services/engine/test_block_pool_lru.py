@@ -9,6 +9,7 @@ from baton.services.engine.core.kv_cache_manager import KVCacheManager
 from baton.services.engine.core.request import Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testlib.fake_clock import FakeClock
 
 B = 4
 
@@ -87,7 +88,7 @@ operations = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(operations)
 def test_random_operations_keep_the_invariants(ops):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     kv = KVCacheManager(block_size=B, num_blocks=16, warm_window_s=5, clock=clock)
     live: dict[str, Request] = {}
     sequences: list[tuple[int, ...]] = []  # every request's tokens, as added and as extended
@@ -129,7 +130,7 @@ def test_random_operations_keep_the_invariants(ops):
 
 
 def test_the_cache_stays_prefix_closed_when_a_cached_copy_is_evicted():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     kv = KVCacheManager(block_size=B, num_blocks=16, warm_window_s=5, clock=clock)
     live: dict[str, Request] = {}
     sequences = []
@@ -178,16 +179,8 @@ def test_a_twin_takes_over_an_evicted_registration_and_lends_its_place_when_free
     kv.check_integrity()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_warm_blocks_are_cached_free_blocks_used_within_the_window():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     kv = KVCacheManager(block_size=B, num_blocks=12, warm_window_s=30, clock=clock)
     assert kv.pool.num_warm_free_blocks == 0  # never-used blocks are cold
     first = make_request("a", range(100, 109))  # 2 full blocks + 1 token
@@ -222,7 +215,7 @@ def test_warm_blocks_are_cached_free_blocks_used_within_the_window():
 
 
 def test_a_freed_twin_warms_the_cached_copy():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     kv = KVCacheManager(block_size=B, num_blocks=12, warm_window_s=30, clock=clock)
     tokens = list(range(100, 108))  # exactly 2 blocks: the last one is always recomputed
     holder = make_request("a", tokens)

@@ -5,17 +5,11 @@ from __future__ import annotations
 import logging
 
 from baton.services.router.availability import Availability
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from testlib.fake_clock import FakeClock
 
 
 def test_outages_are_logged_once_and_retried_after_the_interval(caplog):
-    clock = Clock()
+    clock = FakeClock(100.0)
     availability = Availability("router", retry_interval_s=1.0, clock=clock)
     with caplog.at_level(logging.WARNING):
         assert availability.should_try()

@@ -14,6 +14,7 @@ import pytest
 from baton.services.roles import Role
 from baton.services.router import PrefixRouter, RankedWorker, WorkerLoad, WorkerView
 from baton.services.router.held_placements import HeldPlacements
+from testlib.fake_clock import FakeClock
 from testlib.serve_router import candidates, choose, pending, rank, serve_router, wait_ranked
 
 
@@ -21,16 +22,8 @@ def view(worker_id: str, free: int = 100, cached: int = 0) -> WorkerView:
     return WorkerView(worker_id, WorkerLoad(num_free_kv_blocks=free, num_kv_blocks=100), 0, cached, 0, 0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_hold_counts_as_load_until_released_or_expired():
-    clock = Clock()
+    clock = FakeClock(0.0)
     held = HeldPlacements(ttl_s=5.0, clock=clock)
     held.hold("k1", RankedWorker("a", 0.0, 0, 40))
     held.hold("k2", RankedWorker("a", 0.0, 0, 8))

@@ -10,34 +10,27 @@ from baton.services.engine.core.kv_events import AllBlocksCleared, BlockRemoved,
 from baton.services.roles import Role
 from baton.services.router import ApplyStatus, HeartbeatResult, InMemoryPrefixIndex, WorkerLoad
 from baton.services.router.prefix_index import cached_run
+from testlib.fake_clock import FakeClock
 from testlib.router_setup import make_config, make_index, make_info
 
 TTL_S = 0.3
 HASHES = hash_request_tokens(list(range(40)), 4)  # ten chained blocks
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_ms = time.time_ns() // 1_000_000
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
 @pytest.fixture(params=["redis", "memory"])
 def setup(request):
     """(index, clock, expire): expire() lets heartbeats of TTL_S lapse on either implementation."""
-    clock = FakeClock()
+    clock = FakeClock(time.time_ns() // 1_000_000)
     if request.param == "memory":
         index = InMemoryPrefixIndex(clock=clock)
 
         def expire():
-            clock.now_ms += int(TTL_S * 1000) + 1
+            clock.now += int(TTL_S * 1000) + 1
     else:
         index = make_index(make_config(request.getfixturevalue("redis_server")), clock=clock)
 
         def expire():
-            clock.now_ms += int(TTL_S * 1000) + 1
+            clock.now += int(TTL_S * 1000) + 1
             time.sleep(TTL_S + 0.05)  # Redis expires heartbeat keys by its own clock
 
     return index, clock, expire
@@ -118,7 +111,7 @@ def test_speculative_entries_count_until_they_expire_or_are_removed(setup):
     assert index.query("prefill", HASHES)[0].num_cached_blocks == 6
     index.apply_events(a, [BlockRemoved(1, (HASHES[5],))])  # the worker evicted it: prediction gone
     assert index.query("prefill", HASHES)[0].num_cached_blocks == 4
-    clock.now_ms += int(index.config.speculative_ttl_s * 1000) + 1
+    clock.now += int(index.config.speculative_ttl_s * 1000) + 1
     index.heartbeat(info, WorkerLoad(), TTL_S)
     assert index.query("prefill", HASHES)[0].num_cached_blocks == 2
     assert index.cached_blocks(a) == set(HASHES[:2])  # speculative entries are never "confirmed"
@@ -174,18 +167,18 @@ def test_pending_placements_count_until_a_newer_load_report(setup):
     index, clock, _ = setup
     info = registered(index, "a")
     index.heartbeat(info, WorkerLoad(1, 0, 0, 10, 10), 60.0)  # outlives the clock jumps below
-    clock.now_ms += 1
+    clock.now += 1
     index.record_placement(info.worker_id, [], num_new_tokens=100)
     index.record_placement(info.worker_id, HASHES[:1], num_new_tokens=20)
     (view,) = index.query("prefill", [])
     assert (view.num_pending_requests, view.num_pending_tokens, view.num_requests) == (2, 120, 3)
-    clock.now_ms += 1
+    clock.now += 1
     index.heartbeat(info, WorkerLoad(3, 0, 0, 10, 10), 60.0)
     (view,) = index.query("prefill", [])
     assert (view.num_pending_requests, view.num_requests) == (0, 3)
     index.record_placement(info.worker_id, [], num_new_tokens=7)
     assert index.query("prefill", [])[0].num_pending_tokens == 7
-    clock.now_ms += int(index.config.pending_ttl_s * 1000)  # no report for that long: stop counting
+    clock.now += int(index.config.pending_ttl_s * 1000)  # no report for that long: stop counting
     assert index.query("prefill", [])[0].num_pending_requests == 0
 
 
@@ -193,7 +186,7 @@ def test_completed_placements_stop_counting_at_once(setup):
     index, clock, _ = setup
     info = registered(index, "a")
     index.heartbeat(info, WorkerLoad(0, 0, 0, 10, 10), 60.0)
-    clock.now_ms += 1
+    clock.now += 1
     index.record_placement(info.worker_id, [], num_new_tokens=100)
     index.record_placement(info.worker_id, [], num_new_tokens=20)
     index.complete_placement(info.worker_id, 100)

@@ -13,6 +13,7 @@ from baton.services.router import IndexConfig, InMemoryPrefixIndex, WorkerLoad, 
 from baton.services.router.prefix_index import checkpoint_positions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testlib.fake_clock import FakeClock
 from testlib.router_setup import make_config, make_index, make_info
 
 TTL_S = 60.0  # liveness is not under test here; Redis would expire it in real time
@@ -129,7 +130,7 @@ def test_the_server_clock_judges_expiry_when_no_clock_is_injected(redis_server):
 
 def test_long_prompts_with_gaps_and_predictions_agree_with_the_model(redis_server):
     """The query's search in Lua against the model's in Python, caches with holes included."""
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     redis_index = make_index(make_config(redis_server), clock=clock)
     model = InMemoryPrefixIndex(redis_index.config, clock=clock)
     info = make_info("a")
@@ -184,14 +185,6 @@ def make_event(kind: str, seq: int, blocks: tuple[bytes, ...]):
     return BlockRemoved(seq, blocks) if kind == "removed" else AllBlocksCleared(seq)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_ms = 1_000_000
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
 @settings(
     max_examples=int(os.environ.get("BATON_PROPERTY_EXAMPLES", "60")),
     deadline=None,
@@ -201,7 +194,7 @@ class Clock:
 def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
     with shared_redis.client() as client:
         client.flushall()
-    clock = Clock()
+    clock = FakeClock(1_000_000)
     redis_index = make_index(make_config(shared_redis), clock=clock)
     model = InMemoryPrefixIndex(redis_index.config, clock=clock)
     epochs = iter(range(1, 1_000))
@@ -242,7 +235,7 @@ def test_redis_index_agrees_with_the_in_memory_model(shared_redis, ops):
             next_seq[name], last_batch[name] = 0, []
             both("replace_blocks", infos[name].worker_id, KVCacheSnapshot(0, frozenset()))
         else:
-            clock.now_ms += op[1]
+            clock.now += op[1]
         for name in WORKERS:
             both("cached_blocks", infos[name].worker_id)
         for length in (0, 3, 9, 11, len(BLOCKS)):  # 9 and 11 end between checkpoints

@@ -9,6 +9,7 @@ import pytest
 from baton.services.engine.core.kv_events import KVCacheSnapshot
 from baton.services.roles import Role
 from baton.services.router import IndexConfig, PlacementReason, PrefixRouter, WorkerLoad
+from testlib.fake_clock import FakeClock
 from testlib.router_setup import make_config, make_index, make_info
 from testlib.waiting import wait_until
 
@@ -99,14 +100,6 @@ def test_a_dead_workers_entries_are_ignored_after_its_ttl_and_collected(redis_se
     assert index.worker_infos([dead_agent.info.worker_id]) == {}
 
 
-class FrozenClock:
-    def __init__(self) -> None:
-        self.now_ms = 10_000_000
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-
 def seed_state(index) -> None:
     """Three workers with different prefixes and loads, written directly (no timing involved)."""
     from baton.services.router import PromptHasher
@@ -120,7 +113,7 @@ def seed_state(index) -> None:
 
 def decisions(config, redis_server, router_of_request, temperature: float) -> list:
     redis_server.client().flushall()
-    clock = FrozenClock()
+    clock = FakeClock(10_000_000)
     config = config.model_copy(update={"policy": config.policy.model_copy(update={"temperature": temperature})})
     routers = [PrefixRouter(config, make_index(config, clock=clock)) for _ in range(2)]
     seed_state(routers[0].index)

@@ -6,14 +6,7 @@ import pytest
 from baton.services.engine.stats import EngineStats
 from baton.services.serving_errors import ServerOverloadedError
 from baton.services.workers.admission import Admission, AdmissionLimits
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from testlib.fake_clock import FakeClock
 
 
 def stats(num_waiting_prefill_tokens: int = 0) -> EngineStats:
@@ -30,7 +23,7 @@ def stats(num_waiting_prefill_tokens: int = 0) -> EngineStats:
 
 
 def test_the_waiting_bound_counts_requests_not_started():
-    admission = Admission(AdmissionLimits(max_waiting_requests=2), Clock())
+    admission = Admission(AdmissionLimits(max_waiting_requests=2), FakeClock(100.0))
     admission.admit("a", 10, stats(), "w")
     admission.admit("b", 10, stats(), "w")
     with pytest.raises(ServerOverloadedError, match="2 requests waiting to start"):
@@ -43,14 +36,14 @@ def test_the_waiting_bound_counts_requests_not_started():
 
 
 def test_the_prompt_token_bound_names_both_numbers():
-    admission = Admission(AdmissionLimits(max_waiting_prompt_tokens=1000), Clock())
+    admission = Admission(AdmissionLimits(max_waiting_prompt_tokens=1000), FakeClock(100.0))
     admission.admit("a", 900, stats(num_waiting_prefill_tokens=0), "w")  # an empty queue takes any prompt
     with pytest.raises(ServerOverloadedError, match="900 prompt tokens waiting .limit 1000, this request adds 200"):
         admission.admit("b", 200, stats(num_waiting_prefill_tokens=900), "w")
 
 
 def test_the_delay_bound_follows_the_measured_start_rate():
-    clock = Clock()
+    clock = FakeClock(100.0)
     admission = Admission(AdmissionLimits(max_queue_delay_s=2.0, window_s=5.0), clock)
     for i in range(10):  # a backlog of 10 at once
         admission.admit(f"s{i}", 10, stats(), "w")
@@ -80,7 +73,7 @@ def test_a_burst_after_a_quiet_spell_is_not_judged_by_the_quiet_spell():
     """The last start of a previous load, 2.5 s before a burst of 16, is no rate: it once put
     the burst's 13th request at 12 / (1 / 2.5 s) = 30 s and shed 8 of 16 (a vLLM comparison's
     concurrency-16 load, the fourth load on one server)."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     admission = Admission(AdmissionLimits(max_queue_delay_s=30.0, window_s=5.0), clock)
     admission.admit("previous", 10, stats(), "w")
     clock.now += 0.2
@@ -96,7 +89,7 @@ def test_a_burst_after_a_quiet_spell_is_not_judged_by_the_quiet_spell():
 
 
 def test_cancelled_requests_end_a_backlog_too():
-    clock = Clock()
+    clock = FakeClock(100.0)
     admission = Admission(AdmissionLimits(max_queue_delay_s=1.0, window_s=5.0), clock)
     for i in range(3):
         admission.admit(f"a{i}", 10, stats(), "w")
@@ -112,7 +105,7 @@ def test_cancelled_requests_end_a_backlog_too():
 
 
 def test_a_queue_that_does_not_drain_is_judged_by_its_oldest_request():
-    clock = Clock()
+    clock = FakeClock(100.0)
     admission = Admission(AdmissionLimits(max_queue_delay_s=3.0), clock)
     admission.admit("stuck", 10, stats(), "w")
     clock.now += 2.0
@@ -130,7 +123,7 @@ def test_a_full_batch_that_just_started_sheds_until_a_slot_frees():
     """Alike requests that start together end together: right after a wave of starts the
     start rate says "soon", but no slot frees for a whole run time (3x overload with
     max_num_seqs 8 admitted requests that then waited 3-4 s against a 1 s bound)."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     admission = Admission(AdmissionLimits(max_queue_delay_s=1.0, window_s=5.0), clock, max_running=2)
     for i in range(2):  # a run time to go by: 2.0 s from first output to end
         admission.admit(f"r{i}", 10, stats(), "w")
@@ -157,7 +150,7 @@ def test_a_full_batch_that_just_started_sheds_until_a_slot_frees():
 
 
 def test_free_slots_admit_at_once_and_a_replica_without_slots_ignores_run_times():
-    clock = Clock()
+    clock = FakeClock(100.0)
     with_slots = Admission(AdmissionLimits(max_queue_delay_s=1.0), clock, max_running=4)
     without = Admission(AdmissionLimits(max_queue_delay_s=1.0), clock)  # a prefill replica
     for admission in (with_slots, without):
