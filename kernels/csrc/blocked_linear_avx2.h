@@ -36,10 +36,10 @@ struct Operands {
 constexpr int64_t kWidenRows = 16;
 
 // A one-block tile (3-6 rows) prefetches this many bytes ahead in its block's stream. With the
-// weights in memory, as in a decode step, the bench model's layers at 3-16 rows took 0.84-0.90x
-// the time (64 rows 0.98x, 256 the same; Zen 3, 2 threads). The 2- and 4-block tiles of 1-2
-// rows read 2-4 streams at once: a prefetch for each made 1 row 1.10-1.13x slower, so they
-// have none.
+// weights in memory, as in a decode step, the bench model's layers took 0.84-0.90x the time at
+// 3-16 rows in float32 (64 rows 0.98x, 256 the same) and 0.81-0.91x at 3-12 in bfloat16 widened
+// in registers (Zen 3, 2 threads; 2 KB did as well). The 2- and 4-block tiles of 1-2 rows read
+// 2-4 streams at once: a prefetch for each made 1 row 1.10-1.13x slower, so they have none.
 #ifndef BATON_BLOCKED_PREFETCH
 #define BATON_BLOCKED_PREFETCH 4096
 #endif
@@ -97,6 +97,10 @@ inline void accumulate(const float* x, int64_t ldx, const uint16_t* w, int64_t K
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
   };
   for (int64_t q = 0; q < num_pairs; ++q) {
+#if BATON_BLOCKED_PREFETCH
+    if constexpr (kBlocks == 1)
+      _mm_prefetch(reinterpret_cast<const char*>(w + q * 2 * kBlock) + BATON_BLOCKED_PREFETCH, _MM_HINT_T0);
+#endif
     if constexpr (kRows <= 2) {  // few rows: widen one line at a time, x's pairs held
       __m256 xe[kRows], xo[kRows];
       for (int r = 0; r < kRows; ++r) {
