@@ -68,7 +68,7 @@ constexpr int64_t kMaxRows = 12;  // rows per register tile of one block (6 of t
 // The AVX2 tile prefetches this many bytes ahead of the weight line it reads. From memory
 // (a decode step's weights do not stay in cache), the bench model's layers at 1-8 rows took
 // 0.78-0.89x the time with 8 KB (4 KB 0.82-0.89x, 16 KB 0.81-0.91x; Zen 3, 2 threads): the
-// hardware prefetcher alone kept the int8 stream at ~22 GB/s where float32's reached ~30.
+// hardware prefetcher alone kept the int8 stream at ~22 GB/s where float32's reads 30-40.
 #ifndef BATON_W8A8_PREFETCH
 #define BATON_W8A8_PREFETCH 8192
 #endif
