@@ -246,7 +246,7 @@ void rows_against_blocks(const uint8_t* q, int64_t M, int64_t kp, const int8_t* 
 // vpmaddwd leaves each channel's sum in two adjacent lanes). In asm because GCC, given the
 // same intrinsics, hoists every row's broadcast above the multiplies and, out of registers,
 // keeps accumulators on the stack: a 4-row tile's k loop stored and reloaded one every
-// group (a store-to-load chain), and 3-6 row tiles copied registers. Here the accumulators
+// group (a store-to-load chain), and 1-3 row tiles copied registers. Here the accumulators
 // stay in place, 12 of them plus 2 weights and 2 temporaries: all 16 ymm at 6 rows.
 #define BATON_W8A8_ROW(a0, a1, src)                                                         \
   do {                                                                                       \

@@ -55,8 +55,8 @@ def int8_linear_ref(
 def in_float32(x: torch.Tensor, bias: torch.Tensor | None, out_features: int, kernel) -> torch.Tensor:
     """`kernel(rows, bias)` on x's rows and the bias in float32, the kernels' dtype, and y in x's
     dtype. Converts only what is not float32 already: a decode step makes ~30 of these calls,
-    and each no-op conversion costs a dispatch (the float32 wrapper took 13 us a call where
-    the op takes 4)."""
+    and each no-op conversion costs a dispatch (with three of them, a w8a8 call on a 16 x 16
+    weight took 13 us where the op takes 4; now 10)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32:
         rows = rows.float()
