@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .interpreter import is_interpreter
-
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -37,6 +35,9 @@ def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
 
 def check_devices(**tensors: torch.Tensor) -> None:
     """One device for all; CUDA unless Triton is interpreting on the CPU."""
+    # Imported here: the torch references use this module's dtype checks without Triton.
+    from .interpreter import is_interpreter
+
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors are on different devices: {devices}")
@@ -58,10 +59,25 @@ def check_head_dim(head_dim: int) -> None:
     check_power_of_two("head_dim", head_dim, 16, 256)
 
 
-def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
-    """Key and value caches [N, B, H_kv, D] share one layout, so kernels get one set of strides."""
-    check_float("key_cache", key_cache, dtype)
-    check_float("value_cache", value_cache, dtype)
+def check_cache_dtype(name: str, cache: torch.Tensor, dtype: torch.dtype, source: str = "query") -> None:
+    """A KV cache holds its activations' dtype, or bfloat16 under float32 activations
+    (kv_cache_dtype: bfloat16 halves a float32 model's cache); `source` names the activation."""
+    check_float(name, cache)
+    if cache.dtype == dtype or (dtype == torch.float32 and cache.dtype == torch.bfloat16):
+        return
+    raise TypeError(
+        f"{name} must have the {source}'s dtype {dtype} or, for a float32 {source}, bfloat16; got {cache.dtype}"
+    )
+
+
+def check_paged_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, source: str = "query"
+) -> None:
+    """Key and value caches [N, B, H_kv, D] share one layout and dtype, so kernels get one set
+    of strides; the dtype is `source`'s (`dtype`) or bfloat16 under float32 (check_cache_dtype)."""
+    check_cache_dtype("key_cache", key_cache, dtype, source)
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache must have key_cache's dtype {key_cache.dtype}, got {value_cache.dtype}")
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {key_cache.shape}")
     if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():

@@ -141,8 +141,10 @@ def _decode_kernel(
             block_table_row_ptr, tile_start, seq_len, stride_cache_block, stride_cache_slot, BLOCK_N, BLOCK_SIZE
         )
         offsets = cache_rows[:, None] + kv_head * stride_cache_head + dims[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=is_valid[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=is_valid[:, None], other=0.0)
+        # A bfloat16 cache under a float32 query widens here, so both products run in
+        # float32; .to is a no-op when the dtypes match.
+        k = tl.load(key_cache_ptr + offsets, mask=is_valid[:, None], other=0.0).to(query_ptr.dtype.element_ty)
+        v = tl.load(value_cache_ptr + offsets, mask=is_valid[:, None], other=0.0).to(query_ptr.dtype.element_ty)
         k = dot_operand(k, INTERPRETED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(is_valid[None, :], scores, float("-inf"))
@@ -202,6 +204,7 @@ def paged_decode_attention(
     tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """query [R, H, D] (rows may be strided) -> out [R, H, D], contiguous; every seq_len >= 1.
+    The caches hold the query's dtype or, under a float32 query, bfloat16.
 
     `max_seq_len` bounds seq_lens (pass it to avoid a device sync); `num_splits` (1: no
     split) and `tiles` override the split-K heuristic and the launch shape, for tests and tuning.

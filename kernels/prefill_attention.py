@@ -119,8 +119,10 @@ def _prefill_kernel(
             block_table_row_ptr, tile_start, seq_len, stride_cache_block, stride_cache_slot, BLOCK_N, BLOCK_SIZE
         )
         offsets = cache_rows[:, None] + kv_head_offset + dims[None, :]
-        k = tl.load(key_cache_ptr + offsets)
-        v = tl.load(value_cache_ptr + offsets)
+        # A bfloat16 cache under a float32 query widens here, so both products run in
+        # float32; .to is a no-op when the dtypes match.
+        k = tl.load(key_cache_ptr + offsets).to(query_ptr.dtype.element_ty)
+        v = tl.load(value_cache_ptr + offsets).to(query_ptr.dtype.element_ty)
         k = dot_operand(k, INTERPRETED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         acc, m_i, l_i = online_softmax_update(scores, v, acc, m_i, l_i, DOT_PRECISION, INTERPRETED)
@@ -136,8 +138,8 @@ def _prefill_kernel(
             block_table_row_ptr, tile_start, seq_len, stride_cache_block, stride_cache_slot, BLOCK_N, BLOCK_SIZE
         )
         offsets = cache_rows[:, None] + kv_head_offset + dims[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=is_key[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=is_key[:, None], other=0.0)
+        k = tl.load(key_cache_ptr + offsets, mask=is_key[:, None], other=0.0).to(query_ptr.dtype.element_ty)
+        v = tl.load(value_cache_ptr + offsets, mask=is_key[:, None], other=0.0).to(query_ptr.dtype.element_ty)
         k = dot_operand(k, INTERPRETED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         is_visible = key_positions[None, :] <= query_positions[:, None]
@@ -160,7 +162,8 @@ def prefill_attention(
     max_query_len: int,
     tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D] (rows may be strided) -> out [T, H, D], contiguous.
+    """query [T, H, D] (rows may be strided) -> out [T, H, D], contiguous. The caches hold
+    the query's dtype or, under a float32 query, bfloat16.
 
     `max_query_len` (the longest chunk) sizes the grid without a device sync; `tiles`
     overrides the default launch shape, for tests and tuning.

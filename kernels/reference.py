@@ -11,12 +11,17 @@ Shapes (T tokens in the batch, R requests, H heads, D head dim, N blocks of B sl
     seq_lens         [R] int32                context length of r, including this step
     query_start_loc  [R + 1] int32            r's queries are q[qsl[r]:qsl[r + 1]], the
                                               last tokens of its context
+
+The caches hold the activations' dtype or, under float32 activations, bfloat16
+(kv_cache_dtype): K/V are rounded to it when stored and widened back when attended.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .checks import check_cache_dtype
 
 
 def reshape_and_cache_ref(
@@ -26,11 +31,16 @@ def reshape_and_cache_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes each token's K/V into its slot; slot -1 marks padding and is skipped."""
+    """Writes each token's K/V into its slot, in the cache's dtype; slot -1 marks padding
+    and is skipped."""
+    check_cache_dtype("key_cache", key_cache, key.dtype, source="key")
+    check_cache_dtype("value_cache", value_cache, value.dtype, source="value")
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if key.dtype != key_cache.dtype:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
@@ -41,12 +51,15 @@ def reshape_and_cache_ref(
 DECODE_GROUP_SIZE = 4
 
 
-def gather_context_ref(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[R, max_len, H_kv, D]: the first max_len slots of every request, through its table
-    (whole blocks are gathered, then trimmed)."""
+def gather_context_ref(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[R, max_len, H_kv, D] in `dtype` (the query's): the first max_len slots of every
+    request, through its table (whole blocks are gathered, then trimmed)."""
     num_blocks = -(-max_len // cache.shape[1])
     blocks = cache[block_tables[:, :num_blocks].long()]  # [R, num_blocks, B, H_kv, D]
-    return blocks.flatten(1, 2)[:, :max_len]
+    context = blocks.flatten(1, 2)[:, :max_len]
+    return context if context.dtype == dtype else context.to(dtype)
 
 
 def paged_decode_attention_ref(
@@ -59,6 +72,8 @@ def paged_decode_attention_ref(
 ) -> torch.Tensor:
     """One query token per request ([R, H, D]) against its whole paged context. Slots past
     a request's length are masked out, but must hold finite values (engine caches do)."""
+    check_cache_dtype("key_cache", key_cache, query.dtype)
+    check_cache_dtype("value_cache", value_cache, query.dtype)
     out = torch.empty_like(query)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     group = query.shape[1] // num_kv_heads
@@ -68,8 +83,8 @@ def paged_decode_attention_ref(
         rows = order[begin : begin + DECODE_GROUP_SIZE]
         index = torch.tensor(rows, device=query.device)
         max_len = lengths[rows[-1]]
-        keys = gather_context_ref(key_cache, block_tables[index], max_len).transpose(1, 2)
-        values = gather_context_ref(value_cache, block_tables[index], max_len).transpose(1, 2)
+        keys = gather_context_ref(key_cache, block_tables[index], max_len, query.dtype).transpose(1, 2)
+        values = gather_context_ref(value_cache, block_tables[index], max_len, query.dtype).transpose(1, 2)
         positions = torch.arange(max_len, device=query.device)
         mask = (positions[None, :] < seq_lens[index, None].to(positions.device))[:, None, None, :]
         # GQA: the query heads sharing a KV head become that head's "query positions"
@@ -92,6 +107,8 @@ def prefill_attention_ref(
     """Causal attention for query chunks over their paged context (earlier chunks or
     prefix-cache hits) plus themselves. Query i of a request with context length L and
     Q queries sits at position L - Q + i and sees positions 0 .. L - Q + i."""
+    check_cache_dtype("key_cache", key_cache, query.dtype)
+    check_cache_dtype("value_cache", value_cache, query.dtype)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -101,8 +118,8 @@ def prefill_attention_ref(
         if num_queries == 0:
             continue
         table = block_tables[r : r + 1]
-        keys = gather_context_ref(key_cache, table, seq_len).transpose(1, 2)
-        values = gather_context_ref(value_cache, table, seq_len).transpose(1, 2)
+        keys = gather_context_ref(key_cache, table, seq_len, query.dtype).transpose(1, 2)
+        values = gather_context_ref(value_cache, table, seq_len, query.dtype).transpose(1, 2)
         q = query[begin:end].transpose(0, 1)[None]
         if num_queries == seq_len:
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)

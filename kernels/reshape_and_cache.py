@@ -1,7 +1,8 @@
 """Writes each new token's K and V into its slot of the paged cache (reshape-and-cache).
 
 One program per token copies all its KV heads: key[t] [H_kv, D] -> key_cache[s // B, s % B].
-Slot -1 marks a padding token, which is skipped.
+Slot -1 marks a padding token, which is skipped. A bfloat16 cache under float32 K/V
+(kv_cache_dtype) stores each value rounded to nearest even, as torch's .to(bfloat16) does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .checks import (
     check_paged_cache,
     check_power_of_two,
 )
+from .interpreter import cast_to, is_interpreter
 
 
 @triton.jit
@@ -38,6 +40,7 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -49,6 +52,10 @@ def _reshape_and_cache_kernel(
 
     key = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    # Decided at compile time: a same-dtype store stays a plain copy (cast_to rounds float32).
+    if key.dtype != key_cache_ptr.dtype.element_ty:
+        key = cast_to(key, key_cache_ptr.dtype.element_ty, INTERPRETED)
+        value = cast_to(value, key_cache_ptr.dtype.element_ty, INTERPRETED)
     row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
     cache_offsets = row + heads[:, None] * stride_cache_head + dims[None, :]
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
@@ -62,10 +69,11 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value [T, H_kv, D] (rows may be strided), caches [N, B, H_kv, D], slot_mapping [T]."""
+    """key/value [T, H_kv, D] (rows may be strided), caches [N, B, H_kv, D] in key's dtype or,
+    under float32 K/V, bfloat16; slot_mapping [T]."""
     check_float("key", key)
     check_float("value", value, key.dtype)
-    check_paged_cache(key_cache, value_cache, key.dtype)
+    check_paged_cache(key_cache, value_cache, key.dtype, source="key")
     check_int("slot_mapping", slot_mapping, dims=1)
     check_devices(key=key, value=value, key_cache=key_cache, slot_mapping=slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -97,4 +105,5 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=key_cache.shape[1],
+        INTERPRETED=is_interpreter(),
     )

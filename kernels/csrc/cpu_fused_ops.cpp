@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "vec_math.h"
 
@@ -143,9 +144,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// Neox-style rotation of one head's [D] values with this position's cos/sin halves.
-template <typename scalar_t>
-inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half, scalar_t* copy_to) {
+// Neox-style rotation of one head's [D] values with this position's cos/sin halves; the
+// rotated values, rounded to x's dtype, are copied to copy_to in the cache's.
+template <typename scalar_t, typename cache_t>
+inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half, cache_t* copy_to) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
     const scalar_t a = static_cast<scalar_t>(x1 * cos[i] - x2 * sin[i]);
@@ -153,13 +155,13 @@ inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t
     x[i] = a;
     x[i + half] = b;
     if (copy_to != nullptr) {
-      copy_to[i] = a;
-      copy_to[i + half] = b;
+      copy_to[i] = static_cast<cache_t>(a);
+      copy_to[i + half] = static_cast<cache_t>(b);
     }
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void rope_and_cache_rows(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                          const at::Tensor& slot_mapping) {
@@ -174,23 +176,28 @@ void rope_and_cache_rows(const at::Tensor& positions, at::Tensor& query, at::Ten
   scalar_t* qp = query.data_ptr<scalar_t>();
   scalar_t* kp = key.data_ptr<scalar_t>();
   const scalar_t* vp = value.data_ptr<scalar_t>();
-  scalar_t* kc = key_cache.data_ptr<scalar_t>();
-  scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  cache_t* kc = key_cache.data_ptr<cache_t>();
+  cache_t* vc = value_cache.data_ptr<cache_t>();
   const int64_t slot_stride = Hkv * D;  // a cache slot: one token's K (or V), every KV head
   baton::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cs + pos[t] * cs_row;
       const float* sin = cos + half;
-      for (int64_t h = 0; h < H; ++h) rotate_head<scalar_t>(qp + t * q_row + h * q_head, cos, sin, half, nullptr);
+      for (int64_t h = 0; h < H; ++h)
+        rotate_head<scalar_t, cache_t>(qp + t * q_row + h * q_head, cos, sin, half, nullptr);
       const int64_t slot = slots[t];  // -1: padding, not cached
       for (int64_t h = 0; h < Hkv; ++h) {
-        scalar_t* dst = slot >= 0 ? kc + slot * slot_stride + h * D : nullptr;
-        rotate_head<scalar_t>(kp + t * k_row + h * k_head, cos, sin, half, dst);
+        cache_t* dst = slot >= 0 ? kc + slot * slot_stride + h * D : nullptr;
+        rotate_head<scalar_t, cache_t>(kp + t * k_row + h * k_head, cos, sin, half, dst);
       }
       if (slot >= 0) {
         for (int64_t h = 0; h < Hkv; ++h) {
           const scalar_t* src = vp + t * v_row + h * v_head;
-          std::copy(src, src + D, vc + slot * slot_stride + h * D);
+          cache_t* dst = vc + slot * slot_stride + h * D;
+          if constexpr (std::is_same_v<scalar_t, cache_t>)
+            std::copy(src, src + D, dst);
+          else
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<cache_t>(static_cast<float>(src[d]));
         }
       }
     }
@@ -215,15 +222,25 @@ void rotary_embedding_and_cache(const at::Tensor& positions, at::Tensor query, a
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
                   key_cache.dim() == 4 && key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
               "the caches must be contiguous [N, B, H_kv, D] for keys of ", key.sizes());
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
-                  value.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query, key, value and caches must share a dtype");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "the key and value caches differ in dtype");
+  // a float32 model may keep a bfloat16 cache (kv_cache_dtype "bfloat16")
+  const bool bf16_cache = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() || bf16_cache, "the caches must have the query's dtype (",
+              query.scalar_type(), ") or, for a float32 query, bfloat16; got ", key_cache.scalar_type());
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == query.size(0) &&
                   slot_mapping.numel() == query.size(0),
               "positions and slot_mapping must be contiguous int64 with one entry per token");
+  if (bf16_cache) {
+    rope_and_cache_rows<float, at::BFloat16>(positions, query, key, value, cos_sin_cache, key_cache, value_cache,
+                                             slot_mapping);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "rotary_embedding_and_cache", [&] {
-    rope_and_cache_rows<scalar_t>(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping);
+    rope_and_cache_rows<scalar_t, scalar_t>(positions, query, key, value, cos_sin_cache, key_cache, value_cache,
+                                            slot_mapping);
   });
 }
 

@@ -69,13 +69,16 @@ inline float softmax_block(float* __restrict__ s, int64_t n, float& run_max, flo
   return correction;
 }
 
-// One call's shapes and raw pointers, read by every path.
-template <typename scalar_t>
+// One call's shapes and raw pointers, read by every path. The query and output are
+// scalar_t, the cache cache_t: the same, or bfloat16 under a float32 model (a cache of half
+// the bytes, kv_cache_dtype "bfloat16").
+template <typename scalar_t, typename cache_t = scalar_t>
 struct Decode {
   int64_t num_reqs, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
   int64_t row_stride;    // one token's K (or V), every KV head
   int64_t block_stride;  // one block of K (or V)
-  const scalar_t *q, *k_cache, *v_cache;
+  const scalar_t* q;
+  const cache_t *k_cache, *v_cache;
   const int32_t *tables, *lens;
   scalar_t* out;
   float scale;
@@ -92,8 +95,8 @@ struct Decode {
         row_stride(num_kv_heads * head_dim),
         block_stride(block_size * row_stride),
         q(query.data_ptr<scalar_t>()),
-        k_cache(key_cache.data_ptr<scalar_t>()),
-        v_cache(value_cache.data_ptr<scalar_t>()),
+        k_cache(key_cache.data_ptr<cache_t>()),
+        v_cache(value_cache.data_ptr<cache_t>()),
         tables(block_tables.data_ptr<int32_t>()),
         lens(seq_lens.data_ptr<int32_t>()),
         out(out_.data_ptr<scalar_t>()),
@@ -107,8 +110,8 @@ struct Decode {
 // float32 took 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
 // (bench/decode_attention.py). Always inlined, visitor and all: a call would spill the
 // accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
-template <typename scalar_t, typename Visit>
-__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t>& p, int64_t r, int64_t head_offset,
+template <typename scalar_t, typename cache_t, typename Visit>
+__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r, int64_t head_offset,
                                                        int64_t row_bytes, Visit&& visit) {
 #ifndef BATON_PREFETCH_LOCALITY
 #define BATON_PREFETCH_LOCALITY 1
@@ -223,8 +226,8 @@ __attribute__((always_inline)) inline void block_scores(vfloat* dots, float* sco
 // C query heads of one request (qf: their scaled queries, all sharing KV head h) against the
 // whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
 // the normalized outputs to out.
-template <typename scalar_t, int D, int C>
-void attend_heads(const float* qf, const Decode<scalar_t>& p, int64_t r, int64_t h, vfloat* dots, float* scores,
+template <typename scalar_t, typename cache_t, int D, int C>
+void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r, int64_t h, vfloat* dots, float* scores,
                   float* out) {
   constexpr int V = D / kLanes;
   const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes, row_stride = p.row_stride;
@@ -233,10 +236,10 @@ void attend_heads(const float* qf, const Decode<scalar_t>& p, int64_t r, int64_t
     for (int j = 0; j < V; ++j) acc[c][j] = vfloat{};
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  walk_blocks(p, r, h * D, D * sizeof(scalar_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
+  walk_blocks(p, r, h * D, D * sizeof(cache_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
     // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* k = p.k_cache + base + t * row_stride;
+      const cache_t* k = p.k_cache + base + t * row_stride;
       vfloat kv[V];
       for (int j = 0; j < V; ++j) kv[j] = load_row(k + j * kLanes);
       for (int c = 0; c < C; ++c) {
@@ -257,7 +260,7 @@ void attend_heads(const float* qf, const Decode<scalar_t>& p, int64_t r, int64_t
     }
     // acc_c += sum_t p_c,t v_t
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* v = p.v_cache + base + t * row_stride;
+      const cache_t* v = p.v_cache + base + t * row_stride;
       vfloat vv[V];
       for (int j = 0; j < V; ++j) vv[j] = load_row(v + j * kLanes);
       for (int c = 0; c < C; ++c) {
@@ -283,16 +286,16 @@ constexpr bool kBf16Dot = false;
 #endif
 
 // attend_heads for c (1 <= c <= C) heads, C fixed at compile time
-template <typename scalar_t, int D, int C, typename... Args>
+template <typename scalar_t, typename cache_t, int D, int C, typename... Args>
 void attend_chunk(int64_t c, const Args&... args) {
   if constexpr (C > 1) {
-    if (c < C) return attend_chunk<scalar_t, D, C - 1>(c, args...);
+    if (c < C) return attend_chunk<scalar_t, cache_t, D, C - 1>(c, args...);
   }
-  attend_heads<scalar_t, D, C>(args...);
+  attend_heads<scalar_t, cache_t, D, C>(args...);
 }
 
-template <typename scalar_t, int D>
-void decode_vector(const Decode<scalar_t>& p) {
+template <typename scalar_t, typename cache_t, int D>
+void decode_vector(const Decode<scalar_t, cache_t>& p) {
   // query heads per pass: their accumulators take half the registers (one head at least)
   constexpr int kChunk = std::max(1, kRegisters / 2 * kLanes / D);
   const int64_t group = p.group, num_kv_heads = p.num_kv_heads;
@@ -309,13 +312,13 @@ void decode_vector(const Decode<scalar_t>& p) {
       const scalar_t* qr = p.q + (r * p.num_heads + h * group) * D;
       if constexpr (kBf16Dot && std::is_same_v<scalar_t, at::BFloat16>) {
         for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h, dots.data(),
+          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h, dots.data(),
                                             scores.data(), probs.data(), res.data() + g * D);
         }
       } else {
         for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * p.scale;
         for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, p, r, h,
+          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, p, r, h,
                                             dots.data(), scores.data(), res.data() + g * D);
         }
       }
@@ -327,6 +330,16 @@ void decode_vector(const Decode<scalar_t>& p) {
 
 #include "decode_attention_scalar.h"
 
+template <typename scalar_t, typename cache_t>
+void decode(const Decode<scalar_t, cache_t>& p) {
+  switch (p.head_dim) {
+    case 64: decode_vector<scalar_t, cache_t, 64>(p); break;
+    case 128: decode_vector<scalar_t, cache_t, 128>(p); break;
+    case 256: decode_vector<scalar_t, cache_t, 256>(p); break;
+    default: decode_scalar<scalar_t, cache_t>(p);
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale) {
@@ -336,8 +349,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention needs contiguous tensors");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "the key and value caches differ in shape");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and caches must share a dtype");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "the key and value caches differ in dtype");
+  const bool bf16_cache = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() || bf16_cache, "the caches must have the query's dtype (",
+              query.scalar_type(), ") or, for a float32 query, bfloat16; got ", key_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query head size ", query.size(2), " != cache head size ",
@@ -347,14 +362,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "block_tables and seq_lens need one row per request");
   auto out = at::empty_like(query);
+  if (bf16_cache) {
+    decode<float, at::BFloat16>(Decode<float, at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    const Decode<scalar_t> p(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
-    switch (p.head_dim) {
-      case 64: decode_vector<scalar_t, 64>(p); break;
-      case 128: decode_vector<scalar_t, 128>(p); break;
-      case 256: decode_vector<scalar_t, 256>(p); break;
-      default: decode_scalar<scalar_t>(p);
-    }
+    decode<scalar_t, scalar_t>(Decode<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
   });
   return out;
 }

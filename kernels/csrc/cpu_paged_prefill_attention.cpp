@@ -145,11 +145,12 @@ __attribute__((noinline)) void weighted_values(const float* sbuf, const float* v
 // loop (and kLanes / NT keys per pass of the score loop) keep enough independent
 // accumulators to cover the FMA latency (one column at a time makes a chain as long as the
 // chunk, each FMA waiting for the last: the kernel 8% slower on an AVX2 EPYC).
-template <typename scalar_t, int D, int NT>
+template <typename scalar_t, typename cache_t, int D, int NT>
 void run_task(const Problem& p, const Task& task, float* scratch) {
   static_assert(D % kLanes == 0 && D % kColumns == 0 && kColumns % NT == 0 && kLanes % NT == 0,
                 "rows are copied and summed in whole vectors");
   using raw = baton_cpu::raw_t<scalar_t>;
+  using cache_raw = baton_cpu::raw_t<cache_t>;
   float* qT = scratch;                   // [NT][D][kLanes]
   float* accT = qT + NT * D * kLanes;    // [NT][D][kLanes]
   float* kbuf = accT + NT * D * kLanes;  // [kLanes][D]: one chunk's keys as float32
@@ -161,8 +162,8 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
   const int64_t first_pos = seq_len - num_queries;  // the chunk's first query position
   const int32_t* table = p.block_tables + r * p.max_blocks;
   const raw* q = baton_cpu::raw(static_cast<const scalar_t*>(p.query));
-  const raw* kc = baton_cpu::raw(static_cast<const scalar_t*>(p.key_cache));
-  const raw* vc = baton_cpu::raw(static_cast<const scalar_t*>(p.value_cache));
+  const cache_raw* kc = baton_cpu::raw(static_cast<const cache_t*>(p.key_cache));
+  const cache_raw* vc = baton_cpu::raw(static_cast<const cache_t*>(p.value_cache));
   const int64_t row_stride = p.num_kv_heads * D, block_stride = p.block_size * row_stride;
   const int64_t tokens_per_tile = std::max<int64_t>(1, kLanes / G);
 
@@ -202,13 +203,13 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = p0 + t;
       const int64_t at = table[pos / p.block_size] * block_stride + (pos % p.block_size) * row_stride + h * D;
-      row_to_float<scalar_t, D>(kc + at, kbuf + t * D);
-      row_to_float<scalar_t, D>(vc + at, vbuf + t * D);
+      row_to_float<cache_t, D>(kc + at, kbuf + t * D);
+      row_to_float<cache_t, D>(vc + at, vbuf + t * D);
     }
     for (int64_t t = 0; t < std::min<int64_t>(kLanes, task.num_keys - p0 - kLanes); ++t) {
       const int64_t pos = p0 + kLanes + t;
       const int64_t at = table[pos / p.block_size] * block_stride + (pos % p.block_size) * row_stride + h * D;
-      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(raw)); byte += 64) {
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(cache_raw)); byte += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(kc + at) + byte, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(vc + at) + byte, _MM_HINT_T1);
       }
@@ -252,7 +253,7 @@ void run_task(const Problem& p, const Task& task, float* scratch) {
   }
 }
 
-template <typename scalar_t, int D>
+template <typename scalar_t, typename cache_t, int D>
 void prefill(const Problem& p, int64_t num_reqs) {
   // Tasks: every request's chunk in fours of tiles of kLanes / G tokens, per KV head;
   // heaviest first.
@@ -291,13 +292,23 @@ void prefill(const Problem& p, int64_t num_reqs) {
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
       const int64_t tiles = (tasks[t].num_tokens + tokens_per_tile - 1) / tokens_per_tile;
       if (tiles > 2)
-        run_task<scalar_t, D, 4>(p, tasks[t], scratch);
+        run_task<scalar_t, cache_t, D, 4>(p, tasks[t], scratch);
       else if (tiles == 2)
-        run_task<scalar_t, D, 2>(p, tasks[t], scratch);
+        run_task<scalar_t, cache_t, D, 2>(p, tasks[t], scratch);
       else
-        run_task<scalar_t, D, 1>(p, tasks[t], scratch);
+        run_task<scalar_t, cache_t, D, 1>(p, tasks[t], scratch);
     }
   });
+}
+
+template <typename scalar_t, typename cache_t>
+void prefill_head_size(const Problem& p, int64_t num_reqs, int64_t head_dim) {
+  if (head_dim == 64)
+    prefill<scalar_t, cache_t, 64>(p, num_reqs);
+  else if (head_dim == 128)
+    prefill<scalar_t, cache_t, 128>(p, num_reqs);
+  else
+    prefill<scalar_t, cache_t, 256>(p, num_reqs);
 }
 #endif  // BATON_PREFILL_KERNEL
 
@@ -317,8 +328,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes(),
               "key_cache, value_cache: contiguous [num_blocks, block_size, H_kv, D]");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-              "query and caches: one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "the key and value caches differ in dtype");
+  // a float32 model may keep a bfloat16 cache (kv_cache_dtype "bfloat16")
+  const bool bf16_cache = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() || bf16_cache, "the caches must have the query's dtype (",
+              query.scalar_type(), ") or, for a float32 query, bfloat16; got ", key_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
@@ -337,15 +351,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
                   query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr(), num_heads,
                   num_kv_heads, group, key_cache.size(1), block_tables.size(1), query.stride(0), query.stride(1),
                   static_cast<float>(scale)};
+  if (bf16_cache) {
+    prefill_head_size<float, at::BFloat16>(p, num_reqs, D);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 has no kernel");
-    } else if (D == 64) {
-      prefill<scalar_t, 64>(p, num_reqs);
-    } else if (D == 128) {
-      prefill<scalar_t, 128>(p, num_reqs);
     } else {
-      prefill<scalar_t, 256>(p, num_reqs);
+      prefill_head_size<scalar_t, scalar_t>(p, num_reqs, D);
     }
   });
   return out;

@@ -35,7 +35,7 @@ inline void load_bf16_row(const uint16_t* p, __m512i (&row)[P]) {
 // C query heads of one request (q: their raw bfloat16 queries, sharing KV head h) against the
 // whole context; their C * D / 16 accumulators stay in registers. Writes the normalized
 // outputs to out.
-template <typename scalar_t, int D, int C>
+template <typename scalar_t, typename cache_t, int D, int C>
 void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, int64_t r, int64_t h, vfloat* dots,
                   float* scores, uint16_t* probs, float* out) {
   static_assert(kLanes == 16 && D % 32 == 0, "the bfloat16 dot path is AVX-512's");

@@ -5,8 +5,8 @@
 
 #pragma once
 
-template <typename scalar_t>
-void decode_scalar(const Decode<scalar_t>& p) {
+template <typename scalar_t, typename cache_t>
+void decode_scalar(const Decode<scalar_t, cache_t>& p) {
   const int64_t num_heads = p.num_heads, D = p.head_dim, block_size = p.block_size;
   const int64_t num_kv_heads = p.num_kv_heads, group = p.group, row_stride = p.row_stride;
 
@@ -18,12 +18,12 @@ void decode_scalar(const Decode<scalar_t>& p) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      walk_blocks(p, r, 0, row_stride * sizeof(scalar_t), [&](int64_t n, int64_t base) {
+      walk_blocks(p, r, 0, row_stride * sizeof(cache_t), [&](int64_t n, int64_t base) {
         // scores[hq * block_size + t] = q_hq . k_t
         for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* k_row = p.k_cache + base + t * row_stride;
+          const cache_t* k_row = p.k_cache + base + t * row_stride;
           for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
-            const scalar_t* __restrict__ k = k_row + h * D;
+            const cache_t* __restrict__ k = k_row + h * D;
             for (int64_t g = 0; g < group; ++g, ++hq) {
               const float* __restrict__ qh = qf.data() + hq * D;
               float dot = 0.f;
@@ -42,9 +42,9 @@ void decode_scalar(const Decode<scalar_t>& p) {
         }
         // acc_hq += sum_t p_hq,t v_t
         for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* v_row = p.v_cache + base + t * row_stride;
+          const cache_t* v_row = p.v_cache + base + t * row_stride;
           for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
-            const scalar_t* __restrict__ v = v_row + h * D;
+            const cache_t* __restrict__ v = v_row + h * D;
             for (int64_t g = 0; g < group; ++g, ++hq) {
               const float w = scores[hq * block_size + t];
               float* __restrict__ a = acc.data() + hq * D;

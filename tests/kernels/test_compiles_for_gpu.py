@@ -1,5 +1,5 @@
 """Every kernel compiles for Hopper (sm_90) and Ampere (sm_80) at its default launch shapes,
-on any machine: the interpreter never runs the compiler, so without this a compile-only
+and the KV-cache kernels for a bfloat16 cache under float32 activations, on any machine: the interpreter never runs the compiler, so without this a compile-only
 error (a type, a constexpr, too much shared memory) would first show on a GPU.
 
 Triton cannot compile while TRITON_INTERPRET=1 (as the CPU tests set), so the compile runs
@@ -62,14 +62,20 @@ def main() -> None:
     from baton.kernels import reshape_and_cache, rms_norm, rotary
 
     for arch in SHARED_MEMORY_LIMITS:
-        for dtype, precision, head_dim in (("bf16", "tf32", 128), ("fp32", "ieee", 128), ("bf16", "tf32", 256)):
+        for dtype, cache_dtype, precision, head_dim in (
+            ("bf16", "bf16", "tf32", 128),
+            ("fp32", "fp32", "ieee", 128),
+            ("fp32", "bf16", "ieee", 128),
+            ("bf16", "bf16", "tf32", 256),
+        ):
+            caches = dict(key_cache_ptr=f"*{cache_dtype}", value_cache_ptr=f"*{cache_dtype}")
             tiles = decode.DecodeTiles.default(head_dim)
             for is_split in (False, True):
                 split_pointers = dict(out_ptr="*fp32", lse_ptr="*fp32") if is_split else {}
                 constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_N=tiles.block_n, BLOCK_SIZE=16)
                 constexprs |= dict(IS_SPLIT=is_split, DOT_PRECISION=precision)
                 launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-                compile_for(arch, decode._decode_kernel, dtype, constexprs, **launch, **split_pointers)
+                compile_for(arch, decode._decode_kernel, dtype, constexprs, **launch, **split_pointers, **caches)
             reduce_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=8)
             compile_for(
                 arch, decode._reduce_splits_kernel, dtype, reduce_constexprs, partial_ptr="*fp32", lse_ptr="*fp32"
@@ -77,9 +83,11 @@ def main() -> None:
             tiles = prefill.PrefillTiles.default(head_dim, element_size=4 if dtype == "fp32" else 2, sm=arch)
             constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_SIZE=16)
             constexprs |= dict(DOT_PRECISION=precision)
-            compile_for(arch, prefill._prefill_kernel, dtype, constexprs, tiles.num_warps, tiles.num_stages)
+            compile_for(arch, prefill._prefill_kernel, dtype, constexprs, tiles.num_warps, tiles.num_stages, **caches)
         constexprs = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_SIZE=16)
-        compile_for(arch, reshape_and_cache._reshape_and_cache_kernel, "bf16", constexprs)
+        for dtype in ("bf16", "fp32"):
+            caches = dict(key_cache_ptr="*bf16", value_cache_ptr="*bf16")
+            compile_for(arch, reshape_and_cache._reshape_and_cache_kernel, dtype, constexprs, **caches)
         for has_residual in (False, True):
             constexprs = dict(N=4096, BLOCK=4096, HAS_RESIDUAL=has_residual)
             compile_for(arch, rms_norm._rms_norm_kernel, "bf16", constexprs, num_warps=16)

@@ -114,6 +114,24 @@ def test_rotary_embedding_and_cache_matches_rope_then_the_cache_write(dtype, tok
     assert written.sum() == 2 * (tokens - 1) * num_kv_heads * head_dim  # every token but the padding one
 
 
+@pytest.mark.parametrize("heads", [(8, 4, 64), (2, 2, 16)], ids=["gqa2-d64", "mha-d16"])
+def test_rotary_embedding_and_cache_rounds_into_a_bfloat16_cache(heads):
+    """kv_cache_dtype bfloat16: q and k stay float32; the cache gets their bfloat16 rounding."""
+    num_heads, num_kv_heads, head_dim = heads
+    rotary = RotaryEmbedding(head_dim, 2048, 10000.0, None, torch.device("cpu"))
+    (q, k, v), positions, slots, caches_ref = rope_inputs(17, num_heads, num_kv_heads, head_dim, torch.float32)
+    caches = caches_ref.to(torch.bfloat16)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_ref(positions, q_ref, k_ref, rotary.cos_sin_cache)
+    reshape_and_cache_ref(k_ref, v, caches_ref[0], caches_ref[1], slots)
+    cpu_ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos_sin_cache, caches[0], caches[1], slots)
+    close(q, q_ref)
+    close(k, k_ref)
+    written = caches_ref.isnan().logical_not()
+    assert torch.equal(caches.isnan().logical_not(), written)
+    assert torch.equal(caches[written], caches_ref[written].to(torch.bfloat16))
+
+
 def test_the_rotary_module_fuses_on_the_cpu_and_keeps_two_ops_for_the_reference_impl(monkeypatch):
     calls = []
     real = cpu_ops.rotary_embedding_and_cache
@@ -137,5 +155,8 @@ def test_rotary_embedding_and_cache_names_what_does_not_fit():
         cpu_ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, caches[0][:, :, :2], caches[1], slots)
     with pytest.raises(RuntimeError, match="one entry per token"):
         cpu_ops.rotary_embedding_and_cache(positions[:3], q, k, v, cos_sin, caches[0], caches[1], slots)
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(RuntimeError, match="query, key and value must share a dtype"):
         cpu_ops.rotary_embedding_and_cache(positions, q, k, v.double(), cos_sin, caches[0], caches[1], slots)
+    half = caches.half()
+    with pytest.raises(RuntimeError, match=r"the query's dtype \(Float\) or, for a float32 query, bfloat16; got Half"):
+        cpu_ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, half[0], half[1], slots)

@@ -83,6 +83,17 @@ def test_decode_attention(variant, cpu_paged_context, cpu_heads_view, check, hea
     check(out, paged_decode_attention_ref(query.float(), *ctx.reference_inputs(), scale))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")
+def test_decode_attention_over_a_bfloat16_cache(variant, cpu_paged_context, cpu_heads_view, check, head_dim):
+    ctx = cpu_paged_context([1, 7, 16, 19, 47, 100, 301], 2, head_dim, 16, torch.bfloat16)
+    query = cpu_heads_view(7, 8, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    out = variant[1].paged_decode_attention(
+        query.contiguous(), ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, scale
+    )
+    check(out, paged_decode_attention_ref(query, *ctx.reference_inputs(), scale))
+
+
 # (cached, new) per request: full prefills, chunks after cached context, a request with no
 # queries this step, a chunk spanning several tiles
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]

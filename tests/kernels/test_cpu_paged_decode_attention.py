@@ -17,8 +17,19 @@ from testlib.kernel_sweep import (
 )
 
 
-def run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype):
-    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+def run_and_check(
+    cpu_paged_context,
+    cpu_heads_view,
+    check,
+    seq_lens,
+    num_kv_heads,
+    group,
+    head_dim,
+    block_size,
+    dtype,
+    cache_dtype=None,
+):
+    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, cache_dtype or dtype)
     query = cpu_heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype)  # a strided view
     scale = head_dim**-0.5
     caches = ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens
@@ -60,6 +71,17 @@ def test_groups_that_split_into_uneven_passes(cpu_paged_context, cpu_heads_view,
     (64 / head_dim, at least one, on AVX2): a group that does not divide into passes ends
     with a shorter one."""
     run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 33, 300], 2, group, head_dim, 16, dtype)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=lambda d: f"d{d}")  # 48: the generic path
+def test_a_bfloat16_cache_under_float32_queries(cpu_paged_context, cpu_heads_view, check, head_dim, group):
+    """kv_cache_dtype bfloat16: float32 attention over the cache's bfloat16 values, at
+    float32's tolerance against the reference on those values widened."""
+    seq_lens = [1, 7, 16, 19, 47, 100, 301]
+    run_and_check(
+        cpu_paged_context, cpu_heads_view, check, seq_lens, 2, group, head_dim, 16, torch.float32, torch.bfloat16
+    )
 
 
 def test_float16(cpu_paged_context, cpu_heads_view, check):
@@ -109,8 +131,12 @@ def test_bad_inputs_are_named(cpu_paged_context, cpu_heads_view):
     query = cpu_heads_view(1, 4, 64, torch.float32)
     caches = ctx.key_cache, ctx.value_cache
     tables = ctx.block_tables, ctx.seq_lens
-    with pytest.raises(RuntimeError, match="query and caches must share a dtype"):
+    with pytest.raises(
+        RuntimeError, match=r"the query's dtype \(BFloat16\) or, for a float32 query, bfloat16; got Float"
+    ):
         cpu_ops.paged_decode_attention(query.bfloat16(), *caches, *tables, 0.1)
+    with pytest.raises(RuntimeError, match="the key and value caches differ in dtype"):
+        cpu_ops.paged_decode_attention(query, caches[0], caches[1].bfloat16(), *tables, 0.1)
     with pytest.raises(RuntimeError, match="3 query heads do not divide into 2 KV heads"):
         cpu_ops.paged_decode_attention(cpu_heads_view(1, 3, 64, torch.float32), *caches, *tables, 0.1)
     with pytest.raises(RuntimeError, match="query head size 32 != cache head size 64"):

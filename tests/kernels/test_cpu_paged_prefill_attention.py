@@ -23,12 +23,23 @@ needs_kernel = pytest.mark.skipif(
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
 
 
-def run_and_check(cpu_paged_context, cpu_heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype):
+def run_and_check(
+    cpu_paged_context,
+    cpu_heads_view,
+    check,
+    requests,
+    num_kv_heads,
+    group,
+    head_dim,
+    block_size,
+    dtype,
+    cache_dtype=None,
+):
     seq_lens = [cached + new for cached, new in requests]
     num_queries = torch.tensor([new for _, new in requests])
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(num_queries, 0)
-    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    ctx = cpu_paged_context(seq_lens, num_kv_heads, head_dim, block_size, cache_dtype or dtype)
     query = cpu_heads_view(int(num_queries.sum()), num_kv_heads * group, head_dim, dtype)  # a strided view
     scale = head_dim**-0.5
     caches = ctx.key_cache, ctx.value_cache, ctx.block_tables
@@ -57,6 +68,18 @@ def test_a_long_chunk_after_a_long_prefix(cpu_paged_context, cpu_heads_view, che
     """Tiles whose keys span many chunks of 16, heaviest tasks first, several requests."""
     requests = [(922, 102), (0, 300), (17, 1)]
     run_and_check(cpu_paged_context, cpu_heads_view, check, requests, 4, 2, 64, 16, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_a_bfloat16_cache_under_float32_queries(cpu_paged_context, cpu_heads_view, check, head_dim, group):
+    """kv_cache_dtype bfloat16: chunks after cached context read the cache's bfloat16 values,
+    at float32's tolerance against the reference on those values widened."""
+    requests = [*REQUESTS, (922, 102)]
+    run_and_check(
+        cpu_paged_context, cpu_heads_view, check, requests, 2, group, head_dim, 16, torch.float32, torch.bfloat16
+    )
 
 
 @needs_kernel
@@ -105,8 +128,10 @@ def test_the_kernel_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="head size 48"):
         torch.ops.baton_cpu.paged_prefill_attention(q, cache, cache, *args, 0.1)
     half = torch.zeros(4, 16, 2, 64)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match=r"the query's dtype \(BFloat16\) or, for a float32 query, bfloat16"):
         torch.ops.baton_cpu.paged_prefill_attention(torch.zeros(3, 4, 64).bfloat16(), half, half, *args, 0.1)
+    with pytest.raises(RuntimeError, match="the key and value caches differ in dtype"):
+        torch.ops.baton_cpu.paged_prefill_attention(torch.zeros(3, 4, 64), half, half.bfloat16(), *args, 0.1)
     with pytest.raises(RuntimeError, match="one longer"):
         torch.ops.baton_cpu.paged_prefill_attention(q, cache, cache, args[0], args[2], args[2], 0.1)
     lanes = cpu_ops.prefill_attention_max_group()  # 16 on AVX-512, 8 on AVX2

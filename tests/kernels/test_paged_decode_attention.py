@@ -1,6 +1,9 @@
-"""Paged decode attention (Triton) against `paged_decode_attention_ref`, unsplit and split-K."""
+"""Paged decode attention (Triton) against `paged_decode_attention_ref`, unsplit and split-K,
+and a bfloat16 cache under a float32 query (kv_cache_dtype)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -20,8 +23,12 @@ def ragged_lens(block_size: int) -> list[int]:
     return [1, 7, block_size, block_size + 3, 3 * block_size - 1, 100]
 
 
-def run_and_check(paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, **kw):
-    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+def run_and_check(
+    paged_context, heads_view, check, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, cache_dtype=None, **kw
+):
+    """The reference attends over the cache widened to float32: for a bfloat16 cache under a
+    float32 query that is exact, the bfloat16-rounded K/V attended in float32."""
+    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, cache_dtype or dtype)
     query = heads_view(len(seq_lens), num_kv_heads * group, head_dim, dtype)
     scale = head_dim**-0.5
     out = paged_decode_attention(query, ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, scale, **kw)
@@ -100,7 +107,7 @@ def test_launcher_rejects_bad_inputs(paged_context, heads_view):
     ctx = paged_context([5], 2, 64, 16, torch.float32)
     query = heads_view(1, 4, 64, torch.float32)
     args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, 0.125)
-    with pytest.raises(TypeError, match="key_cache must have dtype"):
+    with pytest.raises(TypeError, match="key_cache must have the query's dtype torch.bfloat16"):
         paged_decode_attention(query.bfloat16(), *args)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         paged_decode_attention(heads_view(1, 3, 64, torch.float32), *args)
@@ -113,3 +120,35 @@ def test_launcher_rejects_bad_inputs(paged_context, heads_view):
         paged_decode_attention(
             heads_view(1, 4, 48, torch.float32), ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, 0.1
         )
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_float32_query_bfloat16_cache(paged_context, heads_view, check, num_splits):
+    """Kernel and reference both attend over the bfloat16 K/V in float32, to float32's tolerance."""
+    seq_lens = [1, 40, 300]
+    kw = dict(cache_dtype=torch.bfloat16, num_splits=num_splits)
+    run_and_check(paged_context, heads_view, check, seq_lens, 2, 4, 64, 16, torch.float32, **kw)
+    ctx = paged_context(seq_lens, 2, 64, 16, torch.bfloat16)
+    query = heads_view(len(seq_lens), 8, 64, torch.float32).cpu()
+    key_cache, value_cache, block_tables, seq_lens_cpu = ctx.reference_inputs()
+    out = paged_decode_attention_ref(
+        query, key_cache.bfloat16(), value_cache.bfloat16(), block_tables, seq_lens_cpu, 0.1
+    )
+    assert out.dtype == torch.float32
+    check(out, paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens_cpu, 0.1))
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-query-fp32-cache", "fp16-query-bf16-cache", "fp32-query-fp16-cache"],
+)
+def test_rejects_other_cache_dtypes(paged_context, heads_view, dtype, cache_dtype):
+    ctx = paged_context([5], 2, 64, 16, cache_dtype)
+    query = heads_view(1, 4, 64, dtype)
+    args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens, 0.125)
+    message = f"key_cache must have the query's dtype {dtype} or, for a float32 query, bfloat16; got {cache_dtype}"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        paged_decode_attention(query, *args)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        paged_decode_attention_ref(query.cpu(), *(t.cpu() for t in args[:4]), 0.125)

@@ -2,9 +2,12 @@
 
 A request is (cached, new): `cached` tokens of context already in the paged cache (an
 earlier chunk or a prefix-cache hit), then `new` query tokens whose K/V were just written.
+A bfloat16 cache may serve a float32 query (kv_cache_dtype).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -22,12 +25,16 @@ from testlib.kernel_sweep import (
 REQUESTS = [(0, 1), (0, 17), (40, 23), (70, 2), (30, 0), (5, 45)]
 
 
-def run_and_check(paged_context, heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype, **kw):
+def run_and_check(
+    paged_context, heads_view, check, requests, num_kv_heads, group, head_dim, block_size, dtype, cache_dtype=None, **kw
+):
+    """The reference attends over the cache widened to float32: for a bfloat16 cache under a
+    float32 query that is exact, the bfloat16-rounded K/V attended in float32."""
     seq_lens = [cached + new for cached, new in requests]
     num_queries = torch.tensor([new for _, new in requests])
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(num_queries, 0)
-    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    ctx = paged_context(seq_lens, num_kv_heads, head_dim, block_size, cache_dtype or dtype)
     query = heads_view(int(num_queries.sum()), num_kv_heads * group, head_dim, dtype)
     scale = head_dim**-0.5
     out = prefill_attention(
@@ -114,5 +121,39 @@ def test_launcher_rejects_bad_inputs(paged_context, heads_view, device):
         prefill_attention(query, *args[:3], query_start_loc.cpu().to("meta"), *args[4:])
     with pytest.raises(ValueError, match="query_start_loc"):
         prefill_attention(query, *args[:3], query_start_loc[:1], *args[4:])
-    with pytest.raises(TypeError, match="value_cache must have dtype"):
+    with pytest.raises(TypeError, match="value_cache must have key_cache's dtype torch.float32"):
         prefill_attention(query, ctx.key_cache, ctx.value_cache.bfloat16(), *args[2:])
+
+
+def test_float32_query_bfloat16_cache(paged_context, heads_view, check):
+    """Kernel and reference both attend over the bfloat16 K/V in float32, to float32's
+    tolerance: a full prefill, and chunks whose context is partly earlier cache."""
+    requests = [(0, 17), (40, 23), (5, 45)]
+    kw = dict(cache_dtype=torch.bfloat16, tiles=PrefillTiles(16, 16))
+    run_and_check(paged_context, heads_view, check, requests, 2, 4, 64, 16, torch.float32, **kw)
+    seq_lens = [cached + new for cached, new in requests]
+    query_start_loc = torch.tensor([0, 17, 40, 85], dtype=torch.int32)
+    ctx = paged_context(seq_lens, 2, 64, 16, torch.bfloat16)
+    query = heads_view(85, 8, 64, torch.float32).cpu()
+    key_cache, value_cache, block_tables, seq_lens_cpu = ctx.reference_inputs()
+    tables = (block_tables, query_start_loc, seq_lens_cpu, 0.1)
+    out = prefill_attention_ref(query, key_cache.bfloat16(), value_cache.bfloat16(), *tables)
+    assert out.dtype == torch.float32
+    check(out, prefill_attention_ref(query, key_cache, value_cache, *tables))
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16-query-fp32-cache", "fp16-query-bf16-cache", "fp32-query-fp16-cache"],
+)
+def test_rejects_other_cache_dtypes(paged_context, heads_view, device, dtype, cache_dtype):
+    ctx = paged_context([5], 2, 64, 16, cache_dtype)
+    query = heads_view(5, 4, 64, dtype)
+    query_start_loc = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    args = (ctx.key_cache, ctx.value_cache, ctx.block_tables, query_start_loc, ctx.seq_lens, 0.125)
+    message = f"key_cache must have the query's dtype {dtype} or, for a float32 query, bfloat16; got {cache_dtype}"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        prefill_attention(query, *args, 5)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        prefill_attention_ref(query.cpu(), *(t.cpu() for t in args[:5]), 0.125)
