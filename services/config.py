@@ -234,6 +234,10 @@ class BatonConfig(BaseModel):
                 raise ValueError(f"{role}.engine_overrides must not change block_size: prefill and decode share it")
             if engine.model.dtype != self.engine.model.dtype:
                 raise ValueError(f"{role}.engine_overrides must not change dtype: the KV handover copies raw bytes")
+            if engine.cache.kv_cache_dtype != self.engine.cache.kv_cache_dtype:
+                raise ValueError(
+                    f"{role}.engine_overrides must not change kv_cache_dtype: the KV handover copies raw bytes"
+                )
         if self.server.limits.max_inflight_requests >= self.gateway.max_ongoing_requests:
             raise ValueError(
                 f"server.limits.max_inflight_requests ({self.server.limits.max_inflight_requests}) must be below "

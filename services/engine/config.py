@@ -55,6 +55,13 @@ class CacheConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="On CUDA without an explicit budget: fraction of device memory to use"
     )
+    kv_cache_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto",
+        description="auto: the KV cache holds the model's dtype. bfloat16: a float32 model keeps its K/V in "
+        "bfloat16, half the bytes: twice the blocks in the same memory and half the cache reads of decode "
+        "attention, which computes in float32 still; K/V are rounded to bfloat16 when written (outputs differ "
+        "slightly from float32's). Prefill and decode services must agree (the handover copies raw bytes)",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks across requests")
     warm_window_s: float = Field(
         30.0,
@@ -251,6 +258,15 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "quantization w8a8 runs on the CPU only (its kernel is an x86 one); runner.device is 'cuda': "
                 "use quantization int8 (weight-only) on GPUs"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kv_cache_dtype(self) -> EngineConfig:
+        if self.cache.kv_cache_dtype == "bfloat16" and self.model.dtype == "float16":
+            raise ValueError(
+                "cache.kv_cache_dtype bfloat16 needs a float32 or bfloat16 model, not dtype float16: the kernels "
+                "widen a bfloat16 cache only for float32 activations"
             )
         return self
 

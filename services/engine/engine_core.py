@@ -62,6 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_kv_blocks, self.max_model_len, config.kv_transfer.lease_s
         )
+        self.scheduler.handover.kv_cache_dtype = self.executor.kv_cache_dtype
         self.publisher = kv_event_publisher or NullKVEventPublisher()
         eos = frozenset(
             self.arch.eos_token_ids
@@ -80,7 +81,9 @@ class EngineCore:
         self.waiting_for_grammar: list[PreparedRequest] = []
         self._failures: list[tuple[str, InvalidRequestError]] = []
         self.last_step_num_tokens = 0
-        self.step_costs = StepCostModel(self.arch, self.executor.dtype_bytes, config.parallel.tensor_parallel_size)
+        self.step_costs = StepCostModel(
+            self.arch, self.executor.dtype_bytes, config.parallel.tensor_parallel_size, self.executor.kv_cache_dtype
+        )
         self.step_window = StepWindow()
         self.device_peaks = DevicePeaks.resolve(
             self.executor.device_name, config.runner.peak_tflops, config.runner.peak_memory_tbs
@@ -309,4 +312,5 @@ class EngineCore:
             block_size=self.config.cache.block_size,
             tp_size=self.config.parallel.tensor_parallel_size,
             weight_version=self.weights.weight_version,
+            kv_cache_dtype=self.executor.kv_cache_dtype,
         )

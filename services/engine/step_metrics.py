@@ -42,8 +42,11 @@ class DevicePeaks:
         return None
 
 
+_KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 class StepCostModel:
-    def __init__(self, arch: ModelArch, dtype_bytes: int, tp_size: int) -> None:
+    def __init__(self, arch: ModelArch, dtype_bytes: int, tp_size: int, kv_cache_dtype: str | None = None) -> None:
         per_layer = (
             arch.hidden_size * (arch.q_size + 2 * arch.kv_size)  # qkv
             + arch.q_size * arch.hidden_size  # o
@@ -52,7 +55,8 @@ class StepCostModel:
         self.params = (per_layer * arch.num_layers + arch.hidden_size * arch.vocab_size) / tp_size  # + LM head
         self.weight_bytes = self.params * dtype_bytes
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.q_size / tp_size
-        self.kv_bytes_per_token = 2 * arch.num_layers * arch.kv_size * dtype_bytes / max(tp_size, 1)
+        kv_dtype_bytes = _KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
+        self.kv_bytes_per_token = 2 * arch.num_layers * arch.kv_size * kv_dtype_bytes / max(tp_size, 1)
 
     def cost(self, num_tokens: int, query_context_pairs: int, context_tokens: int) -> tuple[float, float]:
         """(FLOPs, bytes) of one step."""

@@ -18,6 +18,7 @@ class KVTransferParams:
     block_size: int
     tp_size: int
     weight_version: str | None = None  # of the weights that computed it (None: not checked)
+    kv_cache_dtype: str | None = None  # what the prefill side's cache holds (None: not checked)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,3 +45,14 @@ def test_each_deployment_hands_its_role_to_the_kv_transfer(mode):
     assert config.roles == ((Role.COLOCATED,) if mode == "colocated" else (Role.PREFILL, Role.DECODE))
     for role in config.roles:
         assert config.engine_config(role).kv_transfer.role is role
+
+
+@pytest.mark.parametrize(("section", "field"), [("model", "dtype"), ("cache", "kv_cache_dtype")])
+def test_a_role_may_not_change_what_the_kv_handover_copies(section, field):
+    """The handover copies raw cache bytes: both roles' caches must hold one dtype."""
+    value = {field: "bfloat16"}
+    overrides = {"decode": {"engine_overrides": {section: value}}}
+    with pytest.raises(ValueError, match=f"decode.engine_overrides must not change {field}:"):
+        load_config(None, {**MODEL, "mode": "disaggregated", **overrides})
+    engine = {**MODEL["engine"], section: {**MODEL["engine"].get(section, {}), **value}}
+    assert load_config(None, {"engine": engine, "mode": "disaggregated"}).engine_config(Role.DECODE)

@@ -22,6 +22,7 @@ the receive over, so those blocks are never handed to anyone else mid-write.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from ...kv_transfer.types import KVRecvTask, KVTransferStatus
 from ..api.handover import KVPath
 from .kv_cache_manager import KVCacheManager, cdiv
 from .request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,6 +64,9 @@ class KVHandover:
         # The engine's weight version (engine/weight_updates.py keeps it current): K/V that
         # a prefill worker computed under another version is recomputed here, never read.
         self.weight_version = "0"
+        # What this engine's cache holds (the engine core sets it): K/V of another dtype
+        # would be read as garbage, so it is recomputed here instead.
+        self.kv_cache_dtype: str | None = None
 
     def stats(self) -> dict[str, int | float]:
         return {
@@ -103,9 +109,22 @@ class KVHandover:
     # -- decode side ------------------------------------------------------------------
 
     def accepts(self, request: Request) -> bool:
-        """Whether to fetch the request's prompt K/V: not if other weights computed it (then
-        the request is recomputed here, kv_path RECOMPUTED; the prefill side's lease expires)."""
-        version = request.remote_kv.weight_version
+        """Whether to fetch the request's prompt K/V: not if other weights computed it, nor if
+        the prefill side's cache holds another dtype (then the request is recomputed here,
+        kv_path RECOMPUTED; the prefill side's lease expires)."""
+        params = request.remote_kv
+        if None not in (params.kv_cache_dtype, self.kv_cache_dtype) and params.kv_cache_dtype != self.kv_cache_dtype:
+            logger.warning(
+                "request %s: the prefill worker %s keeps a %s KV cache, this engine a %s one; recomputing the "
+                "prompt here (set the same cache.kv_cache_dtype on both services)",
+                request.request_id,
+                params.source_worker_id,
+                params.kv_cache_dtype,
+                self.kv_cache_dtype,
+            )
+            request.kv_path = KVPath.RECOMPUTED
+            return False
+        version = params.weight_version
         if version is None or version == self.weight_version:
             return True
         self.num_version_mismatches += 1

@@ -24,7 +24,8 @@ class Executor(ABC):
     num_kv_blocks: int  # KV-cache blocks per rank (equal on every rank)
     kv_endpoints: tuple[str, ...] = ()  # each rank's KV transfer server (with a connector)
     device_name: str = "cpu"  # what the ranks run on (for utilisation metrics)
-    dtype_bytes: int = 4  # bytes per weight / KV element
+    dtype_bytes: int = 4  # bytes per weight element
+    kv_cache_dtype: str = "float32"  # what the KV cache holds (handovers must match it)
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -63,6 +64,7 @@ class UniProcExecutor(Executor):
         self.kv_endpoints = (endpoint,) if endpoint else ()
         self.device_name = self.rank.device_name()
         self.dtype_bytes = self.rank.dtype_bytes()
+        self.kv_cache_dtype = self.rank.kv_cache_dtype()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.rank.execute_model(scheduler_output)

@@ -80,10 +80,12 @@ class ModelRank:
         """Loads this rank's shard; returns how many KV blocks this rank's budget holds."""
         if self.config.kv_transfer.role is not Role.COLOCATED:
             self.connector = create_connector(self.config.kv_transfer, self.rank, self.device)
+        dtype = resolve_dtype(self.config.model.dtype, self.arch, self.device)
         self.runner = ModelRunner(
             model_dir=self.config.model.model,
             arch=self.arch,
-            dtype=resolve_dtype(self.config.model.dtype, self.arch, self.device),
+            dtype=dtype,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, dtype),
             device=self.device,
             block_size=self.config.cache.block_size,
             kernel_impl=self.config.runner.kernel_backend,
@@ -136,8 +138,12 @@ class ModelRank:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def dtype_bytes(self) -> int:
-        """Bytes per weight and KV element, as the runner resolved the configured dtype."""
+        """Bytes per weight element, as the runner resolved the configured dtype."""
         return self.runner.dtype.itemsize
+
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype ("float32", "bfloat16", ...), as the runner resolved it."""
+        return str(self.runner.kv_cache_dtype).removeprefix("torch.")
 
     def collective_stats(self) -> tuple[float, int]:
         """Seconds and calls spent in collectives since the last call (benchmarks)."""
@@ -185,6 +191,18 @@ def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device) -> torch.dt
     if device.type == "cpu":
         return torch.float32
     return _DTYPES.get(str(arch.torch_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model running in `dtype` (auto: the same)."""
+    if kv_cache_dtype == "auto" or _DTYPES[kv_cache_dtype] == dtype:
+        return dtype
+    if dtype != torch.float32:
+        raise ValueError(
+            f"cache.kv_cache_dtype {kv_cache_dtype} needs a float32 model (or one of that dtype); the model runs "
+            f"in {str(dtype).removeprefix('torch.')}"
+        )
+    return _DTYPES[kv_cache_dtype]
 
 
 def num_kv_blocks_for(config: EngineConfig, block_bytes: int, device: torch.device) -> int:

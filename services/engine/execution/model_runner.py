@@ -85,11 +85,13 @@ class ModelRunner:
         connector: KVConnector | None = None,
         hidden_states: HiddenStatesMode | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.arch = arch
         self.hidden_states = hidden_states
         self.connector = connector
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # bfloat16 under a float32 model halves the cache
         self.device = device
         self.block_size = block_size
         self.tp = tp
@@ -112,11 +114,13 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers (K and V) on this rank."""
         per_layer = 2 * self.block_size * self.num_kv_heads * self.arch.head_dim
-        return per_layer * self.arch.num_layers * torch.empty((), dtype=self.dtype).element_size()
+        return per_layer * self.arch.num_layers * self.kv_cache_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.arch.num_layers)
+        ]
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
 

@@ -92,8 +92,9 @@ class RayTPExecutor(Executor):
             self._wait_all([r.initialize_kv_cache.remote(self.num_kv_blocks) for r in self.ranks])
             endpoints = self._wait_all([r.kv_endpoint.remote() for r in self.ranks])
             self.kv_endpoints = tuple(endpoints) if all(endpoints) else ()
-            self.device_name, self.dtype_bytes = self._wait_all(
-                [self.ranks[0].device_name.remote(), self.ranks[0].dtype_bytes.remote()]
+            first = self.ranks[0]
+            self.device_name, self.dtype_bytes, self.kv_cache_dtype = self._wait_all(
+                [first.device_name.remote(), first.dtype_bytes.remote(), first.kv_cache_dtype.remote()]
             )
         except BaseException:
             self.shutdown()

@@ -277,15 +277,33 @@ def test_kv_from_other_weights_is_recomputed_not_read(engine):
     settle(d, p)
 
 
-def continuation(model_dir, first_token_ids: list[int]) -> list[int]:
+def continuation(model_dir, first_token_ids: list[int], **engine_kwargs) -> list[int]:
     """What one engine on `model_dir` generates after PROMPT + the prefill's first token."""
-    reference = LLM(model=str(model_dir), num_kv_blocks=64)
+    reference = LLM(model=str(model_dir), num_kv_blocks=64, **engine_kwargs)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         reference.core.submit(reference.core.prepare("ref", PROMPT, params, handover=Handover.resume(first_token_ids)))
         return run([reference.core], lambda f: "ref" in f)["ref"].token_ids
     finally:
         reference.shutdown()
+
+
+def test_a_bfloat16_cache_hands_over_and_another_dtype_is_recomputed_not_read(engine, llama_dir):
+    """Two services with cache.kv_cache_dtype bfloat16 hand over their (half as many) bytes;
+    a float32 prefill side's K/V are never read into a bfloat16 cache."""
+    p, d = engine("prefill", kv_cache_dtype="bfloat16"), engine("decode", kv_cache_dtype="bfloat16")
+    first = prefill(p, "bf16")
+    assert first.kv_transfer_params.kv_cache_dtype == "bfloat16"
+    out = decode(d, p, "bf16", first)
+    assert out.kv_path == "transferred"
+    assert out.token_ids == continuation(llama_dir, first.token_ids, kv_cache_dtype="bfloat16")
+    p32 = engine("prefill")
+    first = prefill(p32, "float32")
+    out = decode(d, p32, "float32", first)
+    assert out.kv_path == "recomputed" and d.stats().kv_recv_ok == 1
+    assert out.token_ids == continuation(llama_dir, first.token_ids, kv_cache_dtype="bfloat16")
+    p32.scheduler.handover.expire(float("inf"))  # the lease the decode side never claimed
+    settle(d, p, p32)
 
 
 def test_kv_received_across_an_update_is_recomputed_not_read(engine):
