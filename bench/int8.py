@@ -1,10 +1,12 @@
 """int8 against float32: the bench model's decode and prefill, one process.
 
     python bench/int8.py [--rounds 5] [--threads 2] [--context 256] [--steps 32] [--arms int8,w8a8]
+    python bench/int8.py --arms w8a8,w8a8+bf16kv,float32+bf16kv     # a bfloat16 KV cache too
 
-Engines on the same checkpoint, float32 and each quantization of --arms: "int8" (weight-only,
+Engines on the same checkpoint, float32 and each arm of --arms: "int8" (weight-only,
 services/model/int8_linear.py) and "w8a8" (int8 activations too, per token,
-services/model/w8a8_linear.py), prefix caching off so every prompt is computed. Decode step: for batch 1, 2, 4 and 8 with
+services/model/w8a8_linear.py), either with "+bf16kv" (cache.kv_cache_dtype bfloat16: the
+KV cache in bfloat16), and "float32+bf16kv"; prefix caching off so every prompt is computed. Decode step: for batch 1, 2, 4 and 8 with
 prompts of --context random tokens, (best time of --steps + 1 greedy tokens - best time of 1
 token) / --steps; prefill: one 1024-token prompt and eight 256-token prompts, to their first
 token. The arms alternate every round; each arm's best round is its number (others' work on a
@@ -87,6 +89,15 @@ def agreement(reference: LLM, other: LLM, prompts: list[list[int]], num_tokens: 
     return sum(agree) / len(agree), sum(errors) / len(errors), before_difference / (num_tokens * len(prompts))
 
 
+def arm_settings(arm: str) -> dict:
+    """--arms' names: a quantization (or float32), then "+bf16kv" for a bfloat16 KV cache."""
+    weights, _, cache = arm.partition("+")
+    if weights not in ("float32", "int8", "w8a8") or cache not in ("", "bf16kv") or arm == "float32":
+        raise SystemExit(f"unknown arm {arm!r}: int8, w8a8 or float32+bf16kv, the first two with +bf16kv or not")
+    settings = {"kv_cache_dtype": "bfloat16"} if cache else {}
+    return settings if weights == "float32" else {**settings, "quantization": weights}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -99,7 +110,7 @@ def main() -> None:
     model = str(bench_model())
     common = dict(num_kv_blocks=4096, num_threads=args.threads, enable_prefix_caching=False, dtype="float32")
     engines = {"float32": LLM(model=model, **common)}
-    engines.update({arm: LLM(model=model, quantization=arm, **common) for arm in arms})
+    engines.update({arm: LLM(model=model, **arm_settings(arm), **common) for arm in arms})
     rng = random.Random(0)
 
     def prompts(n: int, length: int) -> list[list[int]]:
