@@ -106,7 +106,9 @@ struct Decode {
 // Walks request r's context a block at a time: visit(n, base) gets the block's token count
 // and the offset of its first row plus `head_offset` (h * D for one KV head, 0 for all),
 // after the next block's rows (`row_bytes` of each from there) are prefetched, one prefetch
-// per 128 B (the CPU fetches line pairs), into L2. Into L1 (BATON_PREFETCH_LOCALITY=3),
+// per 64 B line, into L2: one per 128 B (line pairs) left the second line of a bfloat16 row of
+// 64 to a demand miss, and took 1.15x the time with a bfloat16 cache in memory (32-64 requests,
+// Zen 3; float32 the same either way). Into L1 (BATON_PREFETCH_LOCALITY=3),
 // float32 took 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
 // (bench/decode_attention.py). Always inlined, visitor and all: a call would spill the
 // accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
@@ -125,7 +127,7 @@ __attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, ca
       for (int64_t t = 0; t < rows; ++t) {
         const char* nk = reinterpret_cast<const char*>(p.k_cache + next + t * p.row_stride);
         const char* nv = reinterpret_cast<const char*>(p.v_cache + next + t * p.row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 128) {
+        for (int64_t off = 0; off < row_bytes; off += 64) {
           __builtin_prefetch(nk + off, 0, BATON_PREFETCH_LOCALITY);
           __builtin_prefetch(nv + off, 0, BATON_PREFETCH_LOCALITY);
         }
