@@ -10,6 +10,9 @@ l1         the same, prefetching the next block into L1 (hint T0) instead of L2
 no-bf16    bfloat16 only: built without AVX512-BF16 (-mno-avx512bf16), so the cache's rows
            widen to float32 before they are multiplied (what CPUs without it run)
 
+in three dtypes: float32, bfloat16 (a bfloat16 model) and float32 queries over a bfloat16
+cache (cache.kv_cache_dtype bfloat16 under a float32 model).
+
 Each runs warm (one layer's cache, ~18 MB in bfloat16, read again and again: it stays in
 L3) and cold (eight layers' caches read in turn, as a decode step does: ~150 MB, from
 memory). Each arm's best round is its number (others' work on a shared machine only adds
@@ -30,7 +33,7 @@ LAYERS, REQUESTS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 32, 8, 4, 64, 16
 VARIANTS = {"l1": ["-DBATON_PREFETCH_LOCALITY=3"], "no-bf16": ["-mno-avx512bf16"]}
 
 
-def _caches(dtype: torch.dtype):
+def _caches(dtype: torch.dtype, cache_dtype: torch.dtype):
     """Query, caches, one block table per layer, seq lens, and the bytes of K and V a layer reads."""
     rng = random.Random(0)
     lens = [rng.randint(300, 800) for _ in range(REQUESTS)]
@@ -38,7 +41,7 @@ def _caches(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(blocks) * LAYERS
     key_cache, value_cache = (
-        torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)
+        torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(cache_dtype) for _ in range(2)
     )
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
@@ -70,9 +73,10 @@ def main() -> None:
         f"decode attention, {REQUESTS} requests, contexts 300-800, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, "
         f"{args.threads} threads, best of {args.rounds} alternating rounds"
     )
-    for dtype in (torch.float32, torch.bfloat16):
-        query, key_cache, value_cache, tables, lens, nbytes = _caches(dtype)
+    for dtype, cache_dtype in ((torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)):
+        query, key_cache, value_cache, tables, lens, nbytes = _caches(dtype, cache_dtype)
         arms = [name for name in builds if name != "no-bf16" or dtype == torch.bfloat16]
+        label = str(dtype).removeprefix("torch.") + ("" if cache_dtype == dtype else " query, bfloat16 cache")
         for mode, layers in (("warm", 1), ("cold", LAYERS)):
             best = dict.fromkeys(arms, float("inf"))
             for _ in range(args.rounds):
@@ -83,7 +87,7 @@ def main() -> None:
                         op(query, key_cache, value_cache, tables[i % layers], lens, 0.125)
                     best[name] = min(best[name], (time.perf_counter() - start) / (2 * LAYERS))
             native = best["native"]
-            line = f"  {str(dtype).removeprefix('torch.'):8} {mode}: native {native * 1e3:.3f} ms ({nbytes / native / 1e9:.1f} GB/s)"
+            line = f"  {label:8} {mode}: native {native * 1e3:.3f} ms ({nbytes / native / 1e9:.1f} GB/s)"
             for name in arms[1:]:
                 line += f", {name} {best[name] * 1e3:.3f} ms ({best[name] / native:.2f}x)"
             print(line)
