@@ -113,8 +113,8 @@ struct Decode {
 // (bench/decode_attention.py). Always inlined, visitor and all: a call would spill the
 // accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
 template <typename scalar_t, typename cache_t, typename Visit>
-__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r, int64_t head_offset,
-                                                       int64_t row_bytes, Visit&& visit) {
+__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r,
+                                                       int64_t head_offset, int64_t row_bytes, Visit&& visit) {
 #ifndef BATON_PREFETCH_LOCALITY
 #define BATON_PREFETCH_LOCALITY 1
 #endif
@@ -227,8 +227,8 @@ __attribute__((always_inline)) inline void block_scores(vfloat* dots, float* sco
 // whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
 // the normalized outputs to out.
 template <typename scalar_t, typename cache_t, int D, int C>
-void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r, int64_t h, vfloat* dots, float* scores,
-                  float* out) {
+void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r, int64_t h, vfloat* dots,
+                  float* scores, float* out) {
   constexpr int V = D / kLanes;
   const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes, row_stride = p.row_stride;
   vfloat acc[C][V];
@@ -299,7 +299,7 @@ void decode_vector(const Decode<scalar_t, cache_t>& p) {
   // Query heads per pass (one at least): their accumulators take 16 registers, half of
   // AVX-512's and all of AVX2's. On AVX2 the few values left over spill, which costs less than
   // another pass over the context: at head size 64, two heads a pass took 0.82x the time of
-  // one in float32 and 0.69-0.81x in bfloat16 (8-32 requests, contexts 270-400, Zen 3).
+  // one in float32 and 0.69-0.81x over a bfloat16 cache (8-32 requests, contexts 270-400, Zen 3).
   constexpr int kChunk = std::max(1, 16 * kLanes / D);
   const int64_t group = p.group, num_kv_heads = p.num_kv_heads;
   const int64_t num_tasks = p.num_reqs * num_kv_heads;
@@ -315,14 +315,14 @@ void decode_vector(const Decode<scalar_t, cache_t>& p) {
       const scalar_t* qr = p.q + (r * p.num_heads + h * group) * D;
       if constexpr (kBf16Dot && std::is_same_v<scalar_t, at::BFloat16>) {
         for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h, dots.data(),
-                                            scores.data(), probs.data(), res.data() + g * D);
+          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h,
+                                                     dots.data(), scores.data(), probs.data(), res.data() + g * D);
         }
       } else {
         for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * p.scale;
         for (int64_t g = 0; g < group; g += kChunk) {
           attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, p, r, h,
-                                            dots.data(), scores.data(), res.data() + g * D);
+                                                     dots.data(), scores.data(), res.data() + g * D);
         }
       }
       scalar_t* orow = p.out + (r * p.num_heads + h * group) * D;
@@ -366,11 +366,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "block_tables and seq_lens need one row per request");
   auto out = at::empty_like(query);
   if (bf16_cache) {
-    decode<float, at::BFloat16>(Decode<float, at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
+    const Decode<float, at::BFloat16> p(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+    decode(p);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t, scalar_t>(Decode<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
+    decode(Decode<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, scale, out));
   });
   return out;
 }

@@ -199,8 +199,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
         return dtype
     if dtype != torch.float32:
         raise ValueError(
-            f"cache.kv_cache_dtype {kv_cache_dtype} needs a float32 model (or one of that dtype); the model runs "
-            f"in {str(dtype).removeprefix('torch.')}"
+            f"cache.kv_cache_dtype {kv_cache_dtype} needs a float32 or {kv_cache_dtype} model; the model runs in "
+            f"{str(dtype).removeprefix('torch.')}"
         )
     return _DTYPES[kv_cache_dtype]
 

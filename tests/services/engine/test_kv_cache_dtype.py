@@ -77,7 +77,9 @@ def test_a_bfloat16_model_keeps_its_cache_and_float16_is_refused():
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float16) == torch.float16
-    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs a float32 model.*float16"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype bfloat16 needs a float32 or bfloat16 model; the model runs in float16"
+    ):
         resolve_kv_cache_dtype("bfloat16", torch.float16)  # dtype auto resolved to a float16 checkpoint's
     with pytest.raises(ValidationError, match="kv_cache_dtype bfloat16 needs a float32 or bfloat16 model"):
         EngineConfig.from_kwargs(model="m", dtype="float16", kv_cache_dtype="bfloat16")
