@@ -7,9 +7,9 @@
 // them. Threads take tasks from a shared counter, so requests of very different lengths
 // still keep both cores busy, and a batch of one request still splits across its KV heads.
 // Blocks sit anywhere in the cache, where the hardware prefetcher does not follow, so the
-// next block's rows are prefetched into L2 while this one is computed. Each query head keeps an
-// online softmax (running max, running sum, weighted values) in float32, whatever the
-// cache dtype.
+// next block's rows are prefetched into L2, a row at a time, while this one is computed.
+// Each query head keeps an online softmax (running max, running sum, weighted values) in
+// float32, whatever the cache dtype.
 //
 // Head sizes 64, 128 and 256 run a vector path (GCC vector types as wide as the x86 vector
 // registers: 16 lanes with AVX-512, 8 without): the weighted values of as many query heads as
@@ -103,37 +103,54 @@ struct Decode {
         scale(static_cast<float>(scale_)) {}
 };
 
-// Walks request r's context a block at a time: visit(n, base) gets the block's token count
-// and the offset of its first row plus `head_offset` (h * D for one KV head, 0 for all),
-// after the next block's rows (`row_bytes` of each from there) are prefetched, one prefetch
-// per 64 B line, into L2: one per 128 B (line pairs) left the second line of a bfloat16 row of
-// 64 to a demand miss, and took 1.15x the time with a bfloat16 cache in memory (32-64 requests,
-// Zen 3; float32 the same either way). Into L1 (BATON_PREFETCH_LOCALITY=3),
-// float32 took 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
-// (bench/decode_attention.py). Always inlined, visitor and all: a call would spill the
-// accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
-template <typename scalar_t, typename cache_t, typename Visit>
-__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r,
-                                                       int64_t head_offset, int64_t row_bytes, Visit&& visit) {
 #ifndef BATON_PREFETCH_LOCALITY
 #define BATON_PREFETCH_LOCALITY 1
 #endif
+
+// The next block's rows, for a visitor to prefetch one row at a time as it reaches the same
+// row of this block (k_row in its Q.K loop, v_row in its P.V loop), `row_bytes` of each, one
+// prefetch per 64 B line, into L2. Spread over the block's work: the whole next block
+// prefetched at once (64-128 lines of one KV head) filled the core's miss buffers, and the
+// block's own loads waited behind them; spread, the kernel took 0.87-0.93x the time over a
+// float32 cache in memory and 0.69-0.81x over a bfloat16 one (8-64 requests, Zen 3, 2
+// threads). One per 128 B (line pairs) left the second line of a bfloat16 row of 64 to a
+// demand miss (1.15x the time, Zen 3). Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took
+// 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
+// (bench/decode_attention.py, with the whole block prefetched at once).
+struct NextRows {
+  const char *k, *v;  // row 0 of the next block (plus the head offset); rows past `rows` are not there
+  int64_t rows, row_stride, row_bytes;  // bytes
+
+  __attribute__((always_inline)) static void lines(const char* row, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, BATON_PREFETCH_LOCALITY);
+  }
+  __attribute__((always_inline)) void k_row(int64_t t) const {
+    if (t < rows) lines(k + t * row_stride, row_bytes);
+  }
+  __attribute__((always_inline)) void v_row(int64_t t) const {
+    if (t < rows) lines(v + t * row_stride, row_bytes);
+  }
+};
+
+// Walks request r's context a block at a time: visit(n, base, next) gets the block's token
+// count, the offset of its first row plus `head_offset` (h * D for one KV head, 0 for all),
+// and the next block's rows to prefetch (none after the last block). Always inlined, visitor
+// and all: a call would spill the accumulators (every vector register is caller-saved), which
+// took the kernel 1.3x its time.
+template <typename scalar_t, typename cache_t, typename Visit>
+__attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r,
+                                                       int64_t head_offset, int64_t row_bytes, Visit&& visit) {
   const int32_t* table = p.tables + r * p.max_blocks;
   const int64_t len = p.lens[r], block_size = p.block_size;
+  const auto* k = reinterpret_cast<const char*>(p.k_cache + head_offset);
+  const auto* v = reinterpret_cast<const char*>(p.v_cache + head_offset);
+  const int64_t block_bytes = p.block_stride * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
-    if (first + block_size < len) {
-      const int64_t next = static_cast<int64_t>(table[blk + 1]) * p.block_stride + head_offset;
-      const int64_t rows = std::min(block_size, len - first - block_size);
-      for (int64_t t = 0; t < rows; ++t) {
-        const char* nk = reinterpret_cast<const char*>(p.k_cache + next + t * p.row_stride);
-        const char* nv = reinterpret_cast<const char*>(p.v_cache + next + t * p.row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(nk + off, 0, BATON_PREFETCH_LOCALITY);
-          __builtin_prefetch(nv + off, 0, BATON_PREFETCH_LOCALITY);
-        }
-      }
-    }
-    visit(std::min(block_size, len - first), static_cast<int64_t>(table[blk]) * p.block_stride + head_offset);
+    const int64_t next_rows = std::clamp<int64_t>(len - first - block_size, 0, block_size);
+    const int64_t next = next_rows ? table[blk + 1] * block_bytes : 0;
+    const NextRows pf{k + next, v + next, next_rows, p.row_stride * static_cast<int64_t>(sizeof(cache_t)),
+                      row_bytes};
+    visit(std::min(block_size, len - first), static_cast<int64_t>(table[blk]) * p.block_stride + head_offset, pf);
   }
 }
 
@@ -236,9 +253,11 @@ void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r
     for (int j = 0; j < V; ++j) acc[c][j] = vfloat{};
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  walk_blocks(p, r, h * D, D * sizeof(cache_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
+  walk_blocks(p, r, h * D, D * sizeof(cache_t), [&](int64_t n, int64_t base, const NextRows& next)
+                                                    __attribute__((always_inline)) {
     // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
     for (int64_t t = 0; t < n; ++t) {
+      next.k_row(t);
       const cache_t* k = p.k_cache + base + t * row_stride;
       vfloat kv[V];
       for (int j = 0; j < V; ++j) kv[j] = load_row(k + j * kLanes);
@@ -260,6 +279,7 @@ void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r
     }
     // acc_c += sum_t p_c,t v_t
     for (int64_t t = 0; t < n; ++t) {
+      next.v_row(t);
       const cache_t* v = p.v_cache + base + t * row_stride;
       vfloat vv[V];
       for (int j = 0; j < V; ++j) vv[j] = load_row(v + j * kLanes);

@@ -53,9 +53,11 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
     for (int a = 0; a < A; ++a) acc[c][a] = _mm512_setzero_ps();
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  walk_blocks(p, r, h * D, D * sizeof(uint16_t), [&](int64_t n, int64_t base) __attribute__((always_inline)) {
+  walk_blocks(p, r, h * D, D * sizeof(uint16_t), [&](int64_t n, int64_t base, const NextRows& next)
+                                                      __attribute__((always_inline)) {
     // scores[c][t] = scale * q_c . k_t
     for (int64_t t = 0; t < n; ++t) {
+      next.k_row(t);
       __m512i kr[P];
       load_bf16_row<P>(k_cache + base + t * row_stride, kr);
       for (int c = 0; c < C; ++c) {
@@ -77,6 +79,8 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
     }
     // acc_c += p_c,t v_t + p_c,t+1 v_t+1
     for (int64_t t = 0; t < n; t += 2) {
+      next.v_row(t);
+      next.v_row(t + 1);
       __m512i v0[P], v1[P];
       load_bf16_row<P>(v_cache + base + t * row_stride, v0);
       if (t + 1 < n) {
