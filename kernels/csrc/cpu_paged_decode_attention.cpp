@@ -1,27 +1,23 @@
 // Paged decode attention on the CPU, reading the KV cache in place.
 //
 // One query token per request against its whole paged context, like the Triton kernel and
-// the torch reference (kernels/reference.py), without gathering the context first. A task
-// is one (request, KV head): the query heads h * G .. h * G + G - 1 that share KV head h
-// (GQA) walk the request's block table together, so each K/V row is loaded once for all of
-// them. Threads take tasks from a shared counter, so requests of very different lengths
-// still keep both cores busy, and a batch of one request still splits across its KV heads.
-// Blocks sit anywhere in the cache, where the hardware prefetcher does not follow, so the
-// next block's rows are prefetched into L2, a row at a time, while this one is computed.
-// Each query head keeps an online softmax (running max, running sum, weighted values) in
-// float32, whatever the cache dtype.
+// the torch reference (kernels/reference.py), without gathering the context first. The query
+// heads h * G .. h * G + G - 1 that share KV head h (GQA) take each block together, so each
+// K/V row is loaded once for all of them. Threads take tasks from a shared counter, so
+// requests of very different lengths still keep both cores busy. Blocks sit anywhere in the
+// cache, where the hardware prefetcher does not follow, so the next block's rows are
+// prefetched into L2 while this one is computed (NextRows). Each query head keeps an online
+// softmax (running max, running sum, weighted values) in float32, whatever the cache dtype.
 //
-// Head sizes 64, 128 and 256 run a vector path (GCC vector types as wide as the x86 vector
-// registers: 16 lanes with AVX-512, 8 without): the weighted values of as many query heads as
-// fill 16 registers stay in them across the whole context, the block's dot products are
-// reduced a vector's lanes at a time by a transposing tree of adds, and the softmax's exp is
-// vec_math.h's. 16-lane vectors on AVX2 ran as register pairs and spilled: 8 lanes there took
-// 0.82 ms where they took 1.25 (12 requests, context 280, cold cache; 2 threads). On
-// the bench model's shape (64 requests, 8 query / 4 KV heads of 64, contexts 16-780) that
-// path took 2.0 ms per layer in float32 and 1.5 ms in bfloat16 where a per-head scalar
-// loop took 2.5 and 1.8 (2 threads), bounded by the cache's bytes in float32. Other head
-// sizes run the scalar loop (`decode_scalar`). bfloat16 on CPUs with AVX512-BF16 multiplies
-// the cache's rows without widening them (decode_attention_bf16.h).
+// Head sizes 64, 128 and 256 run a vector path (decode_attention_vector.h; GCC vector types
+// as wide as the x86 vector registers: 16 lanes with AVX-512, 8 without): a task is a range of
+// a request's KV heads, the block's dot products are reduced a vector's lanes at a time by a
+// transposing tree of adds, and the softmax's exp is vec_math.h's. 16-lane vectors on AVX2
+// ran as register pairs and spilled: 8 lanes there took 0.82 ms where they took 1.25 (12
+// requests, context 280, cold cache; 2 threads). Other head sizes run a scalar loop over
+// whole requests (decode_attention_scalar.h). bfloat16 queries on CPUs with AVX512-BF16
+// multiply the cache's rows without widening them, a task per (request, KV head)
+// (decode_attention_bf16.h).
 //
 // Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension) and registered as
 // torch.ops.baton_cpu.paged_decode_attention.
@@ -41,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -107,50 +104,55 @@ struct Decode {
 #define BATON_PREFETCH_LOCALITY 1
 #endif
 
-// The next block's rows, for a visitor to prefetch one row at a time as it reaches the same
-// row of this block (k_row in its Q.K loop, v_row in its P.V loop), `row_bytes` of each, one
-// prefetch per 64 B line, into L2. Spread over the block's work: the whole next block
-// prefetched at once (64-128 lines of one KV head) filled the core's miss buffers, and the
-// block's own loads waited behind them; spread, the kernel took 0.87-0.93x the time over a
-// float32 cache in memory and 0.69-0.81x over a bfloat16 one (8-64 requests, Zen 3, 2
+// The next block's rows of K (or V) for a task's KV heads, each row in `parts` slices of
+// `slice` bytes. Each step() of the block's loops prefetches the next slice, one prefetch per
+// 64 B line, into L2, so the next block arrives spread over this block's work and its lines
+// are first touched in the order they sit in memory. The whole next block prefetched at once
+// (64-128 lines of one KV head) filled the core's miss buffers, and the block's own loads
+// waited behind them: spread a row at a time, the kernel took 0.81-0.91x the time over a
+// float32 cache in memory and 0.70-0.74x over a bfloat16 one (8-64 requests, Zen 3, 2
 // threads). One per 128 B (line pairs) left the second line of a bfloat16 row of 64 to a
-// demand miss (1.15x the time, Zen 3). Into L1 (BATON_PREFETCH_LOCALITY=3), float32 took
-// 1.15x the time with the cache in L3 and 1.26x with it in memory on Zen 4
-// (bench/decode_attention.py, with the whole block prefetched at once).
+// demand miss (1.15x the time, Zen 3). Into L1 (BATON_PREFETCH_LOCALITY=3) made no difference
+// once spread (0.96-1.05x, Zen 3); with the whole block at once, float32 took 1.15-1.26x the
+// time that way on Zen 4 (bench/decode_attention.py).
 struct NextRows {
-  const char *k, *v;  // row 0 of the next block (plus the head offset); rows past `rows` are not there
-  int64_t rows, row_stride, row_bytes;  // bytes
+  const char* row;  // the next slice's row
+  int64_t rows, row_stride, parts, slice, part = 0;
 
-  __attribute__((always_inline)) static void lines(const char* row, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, BATON_PREFETCH_LOCALITY);
-  }
-  __attribute__((always_inline)) void k_row(int64_t t) const {
-    if (t < rows) lines(k + t * row_stride, row_bytes);
-  }
-  __attribute__((always_inline)) void v_row(int64_t t) const {
-    if (t < rows) lines(v + t * row_stride, row_bytes);
+  __attribute__((always_inline)) void step() {
+    if (rows <= 0) return;
+    for (int64_t off = 0; off < slice; off += 64)
+      __builtin_prefetch(row + part * slice + off, 0, BATON_PREFETCH_LOCALITY);
+    if (++part == parts) part = 0, row += row_stride, --rows;
   }
 };
 
-// Walks request r's context a block at a time: visit(n, base, next) gets the block's token
-// count, the offset of its first row plus `head_offset` (h * D for one KV head, 0 for all),
-// and the next block's rows to prefetch (none after the last block). Always inlined, visitor
-// and all: a call would spill the accumulators (every vector register is caller-saved), which
-// took the kernel 1.3x its time.
+// The next block's K and V rows from its offset (plus a head offset), `rows` of them, in
+// `parts` slices of `slice` bytes each.
+template <typename scalar_t, typename cache_t>
+inline std::pair<NextRows, NextRows> next_rows(const Decode<scalar_t, cache_t>& p, int64_t offset, int64_t rows,
+                                               int64_t parts, int64_t slice) {
+  const int64_t stride = p.row_stride * static_cast<int64_t>(sizeof(cache_t));
+  return {NextRows{reinterpret_cast<const char*>(p.k_cache + offset), rows, stride, parts, slice},
+          NextRows{reinterpret_cast<const char*>(p.v_cache + offset), rows, stride, parts, slice}};
+}
+
+// Walks request r's context a block at a time: visit(n, base, next_k, next_v) gets the
+// block's token count, the offset of its first row plus `head_offset` (h * D for one KV head,
+// 0 for all), and the next block's rows (`row_bytes` of each) to step through, a row a token
+// (none after the last block). Always inlined, visitor and all: a call would spill the
+// accumulators (every vector register is caller-saved), which took the kernel 1.3x its time.
 template <typename scalar_t, typename cache_t, typename Visit>
 __attribute__((always_inline)) inline void walk_blocks(const Decode<scalar_t, cache_t>& p, int64_t r,
                                                        int64_t head_offset, int64_t row_bytes, Visit&& visit) {
   const int32_t* table = p.tables + r * p.max_blocks;
   const int64_t len = p.lens[r], block_size = p.block_size;
-  const auto* k = reinterpret_cast<const char*>(p.k_cache + head_offset);
-  const auto* v = reinterpret_cast<const char*>(p.v_cache + head_offset);
-  const int64_t block_bytes = p.block_stride * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t first = 0, blk = 0; first < len; first += block_size, ++blk) {
-    const int64_t next_rows = std::clamp<int64_t>(len - first - block_size, 0, block_size);
-    const int64_t next = next_rows ? table[blk + 1] * block_bytes : 0;
-    const NextRows pf{k + next, v + next, next_rows, p.row_stride * static_cast<int64_t>(sizeof(cache_t)),
-                      row_bytes};
-    visit(std::min(block_size, len - first), static_cast<int64_t>(table[blk]) * p.block_stride + head_offset, pf);
+    const int64_t rows = std::clamp<int64_t>(len - first - block_size, 0, block_size);
+    const int64_t next = rows ? static_cast<int64_t>(table[blk + 1]) * p.block_stride + head_offset : 0;
+    auto [next_k, next_v] = next_rows(p, next, rows, 1, row_bytes);
+    visit(std::min(block_size, len - first), static_cast<int64_t>(table[blk]) * p.block_stride + head_offset, next_k,
+          next_v);
   }
 }
 
@@ -225,78 +227,10 @@ inline vfloat sum_lanes(const vfloat* v) {
 }
 #endif
 
-// A block's scores from its dot products' partial sums: scores[c][t] = scale * the lane sum of
-// dots[c][t], for C heads and n tokens (rows padded to `padded`, the padding zeroed first).
-template <int C>
-__attribute__((always_inline)) inline void block_scores(vfloat* dots, float* scores, int64_t n, int64_t padded,
-                                                        float scale) {
-  const vfloat vscale = broadcast(scale);
-  for (int c = 0; c < C; ++c) {
-    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
-    for (int64_t t = 0; t < n; t += kLanes) {
-      const vfloat sums = sum_lanes(dots + c * padded + t) * vscale;
-      std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
-    }
-  }
-}
+// Query heads of one KV head a block takes together (larger GQA groups take several passes).
+constexpr int64_t kMaxHeads = 8;
 
-// C query heads of one request (qf: their scaled queries, all sharing KV head h) against the
-// whole context; their C * D / kLanes weighted-value accumulators stay in registers. Writes
-// the normalized outputs to out.
-template <typename scalar_t, typename cache_t, int D, int C>
-void attend_heads(const float* qf, const Decode<scalar_t, cache_t>& p, int64_t r, int64_t h, vfloat* dots,
-                  float* scores, float* out) {
-  constexpr int V = D / kLanes;
-  const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes, row_stride = p.row_stride;
-  vfloat acc[C][V];
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < V; ++j) acc[c][j] = vfloat{};
-  float run_max[C], run_sum[C];
-  for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  walk_blocks(p, r, h * D, D * sizeof(cache_t), [&](int64_t n, int64_t base, const NextRows& next)
-                                                    __attribute__((always_inline)) {
-    // scores[c][t] = q_c . k_t: one vector of partial sums per (c, t), reduced 16 at a time
-    for (int64_t t = 0; t < n; ++t) {
-      next.k_row(t);
-      const cache_t* k = p.k_cache + base + t * row_stride;
-      vfloat kv[V];
-      for (int j = 0; j < V; ++j) kv[j] = load_row(k + j * kLanes);
-      for (int c = 0; c < C; ++c) {
-        vfloat dot = vfloat{};
-        for (int j = 0; j < V; ++j) {
-          vfloat qv;
-          std::memcpy(&qv, qf + c * D + j * kLanes, sizeof(qv));
-          dot += qv * kv[j];
-        }
-        dots[c * padded + t] = dot;
-      }
-    }
-    block_scores<C>(dots, scores, n, padded, 1.f);  // the scale is in qf
-    // online softmax: rescale what came before to the new running max
-    for (int c = 0; c < C; ++c) {
-      const vfloat corr = broadcast(softmax_block(scores + c * padded, n, run_max[c], run_sum[c]));
-      for (int j = 0; j < V; ++j) acc[c][j] *= corr;
-    }
-    // acc_c += sum_t p_c,t v_t
-    for (int64_t t = 0; t < n; ++t) {
-      next.v_row(t);
-      const cache_t* v = p.v_cache + base + t * row_stride;
-      vfloat vv[V];
-      for (int j = 0; j < V; ++j) vv[j] = load_row(v + j * kLanes);
-      for (int c = 0; c < C; ++c) {
-        const vfloat w = broadcast(scores[c * padded + t]);
-        for (int j = 0; j < V; ++j) acc[c][j] += w * vv[j];
-      }
-    }
-  });
-  for (int c = 0; c < C; ++c) {
-    const vfloat inv = broadcast(run_sum[c] > 0.f ? 1.f / run_sum[c] : 0.f);
-    for (int j = 0; j < V; ++j) {
-      vfloat res = acc[c][j] * inv;
-      std::memcpy(out + c * D + j * kLanes, &res, sizeof(res));
-    }
-  }
-}
+#include "decode_attention_vector.h"
 
 #if defined(__AVX512BF16__)
 #include "decode_attention_bf16.h"
@@ -305,48 +239,47 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
-// attend_heads for c (1 <= c <= C) heads, C fixed at compile time
-template <typename scalar_t, typename cache_t, int D, int C, typename... Args>
-void attend_chunk(int64_t c, const Args&... args) {
-  if constexpr (C > 1) {
-    if (c < C) return attend_chunk<scalar_t, cache_t, D, C - 1>(c, args...);
-  }
-  attend_heads<scalar_t, cache_t, D, C>(args...);
-}
 
 template <typename scalar_t, typename cache_t, int D>
 void decode_vector(const Decode<scalar_t, cache_t>& p) {
-  // Query heads per pass (one at least): their accumulators take 16 registers, half of
-  // AVX-512's and all of AVX2's. On AVX2 the few values left over spill, which costs less than
-  // another pass over the context: at head size 64, two heads a pass took 0.82x the time of
-  // one in float32 and 0.69-0.81x over a bfloat16 cache (8-32 requests, contexts 270-400, Zen 3).
+  // The bfloat16 dot path's query heads per pass: their accumulators take half of AVX-512's
+  // registers.
   constexpr int kChunk = std::max(1, 16 * kLanes / D);
-  const int64_t group = p.group, num_kv_heads = p.num_kv_heads;
-  const int64_t num_tasks = p.num_reqs * num_kv_heads;
+  const int64_t group = p.group, num_kv_heads = p.num_kv_heads, num_heads = p.num_heads;
+  const int threads = at::get_num_threads();
+  // A task is a request's KV heads, split into as many ranges as give each thread about four
+  // tasks, so a small batch still spreads over the cores and requests of very different
+  // lengths still balance.
+  const int64_t splits = std::clamp<int64_t>((4 * threads + p.num_reqs - 1) / p.num_reqs, 1, num_kv_heads);
+  const int64_t num_tasks = p.num_reqs * splits;
   std::atomic<int64_t> next_task{0};
 
-  baton::run_on_threads(at::get_num_threads(), [&] {
+  baton::run_on_threads(threads, [&] {
     const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes;
-    std::vector<float> qf(group * D), res(group * D), scores(kChunk * padded);
-    std::vector<vfloat> dots(kChunk * padded);
+    const int64_t pass = std::max<int64_t>(kChunk, kMaxHeads);
+    std::vector<float> qf(num_heads * D), res(num_heads * D), acc(num_heads * D), run_max(num_heads),
+        run_sum(num_heads), scores(pass * padded);
+    std::vector<vfloat> dots(pass * padded);
     std::vector<uint16_t> probs(kChunk * padded);  // the bfloat16 dot path's weights
     for (int64_t task = next_task.fetch_add(1); task < num_tasks; task = next_task.fetch_add(1)) {
-      const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
-      const scalar_t* qr = p.q + (r * p.num_heads + h * group) * D;
+      const int64_t r = task / splits, split = task % splits;
+      const int64_t h0 = split * num_kv_heads / splits, h1 = (split + 1) * num_kv_heads / splits;
+      const int64_t heads = (h1 - h0) * group;
+      const scalar_t* qr = p.q + (r * num_heads + h0 * group) * D;
       if constexpr (kBf16Dot && std::is_same_v<scalar_t, at::BFloat16>) {
-        for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + g * D, p, r, h,
-                                                     dots.data(), scores.data(), probs.data(), res.data() + g * D);
-        }
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t g = 0; g < group; g += kChunk) {
+            const int64_t c0 = (h - h0) * group + g;
+            attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qr + c0 * D, p, r, h,
+                                                       dots.data(), scores.data(), probs.data(), res.data() + c0 * D);
+          }
       } else {
-        for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * p.scale;
-        for (int64_t g = 0; g < group; g += kChunk) {
-          attend_chunk<scalar_t, cache_t, D, kChunk>(std::min<int64_t>(kChunk, group - g), qf.data() + g * D, p, r, h,
-                                                     dots.data(), scores.data(), res.data() + g * D);
-        }
+        for (int64_t i = 0; i < heads * D; ++i) qf[i] = static_cast<float>(qr[i]) * p.scale;
+        attend_range<scalar_t, cache_t, D>(qf.data(), p, r, h0, h1, dots.data(), scores.data(), acc.data(),
+                                           run_max.data(), run_sum.data(), res.data());
       }
-      scalar_t* orow = p.out + (r * p.num_heads + h * group) * D;
-      for (int64_t i = 0; i < group * D; ++i) orow[i] = static_cast<scalar_t>(res[i]);
+      scalar_t* orow = p.out + (r * num_heads + h0 * group) * D;
+      for (int64_t i = 0; i < heads * D; ++i) orow[i] = static_cast<scalar_t>(res[i]);
     }
   });
 }

@@ -32,6 +32,21 @@ inline void load_bf16_row(const uint16_t* p, __m512i (&row)[P]) {
   for (int j = 0; j < P; ++j) row[j] = _mm512_loadu_si512(p + j * 32);
 }
 
+// A block's scores from its dot products' partial sums: scores[c][t] = scale * the lane sum of
+// dots[c][t], for C heads and n tokens (rows padded to `padded`, the padding zeroed first).
+template <int C>
+__attribute__((always_inline)) inline void block_scores(vfloat* dots, float* scores, int64_t n, int64_t padded,
+                                                        float scale) {
+  const vfloat vscale = broadcast(scale);
+  for (int c = 0; c < C; ++c) {
+    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
+    for (int64_t t = 0; t < n; t += kLanes) {
+      const vfloat sums = sum_lanes(dots + c * padded + t) * vscale;
+      std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
+    }
+  }
+}
+
 // C query heads of one request (q: their raw bfloat16 queries, sharing KV head h) against the
 // whole context; their C * D / 16 accumulators stay in registers. Writes the normalized
 // outputs to out.
@@ -53,11 +68,11 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
     for (int a = 0; a < A; ++a) acc[c][a] = _mm512_setzero_ps();
   float run_max[C], run_sum[C];
   for (int c = 0; c < C; ++c) run_max[c] = -std::numeric_limits<float>::infinity(), run_sum[c] = 0.f;
-  walk_blocks(p, r, h * D, D * sizeof(uint16_t), [&](int64_t n, int64_t base, const NextRows& next)
+  walk_blocks(p, r, h * D, D * sizeof(uint16_t), [&](int64_t n, int64_t base, NextRows& next_k, NextRows& next_v)
                                                       __attribute__((always_inline)) {
     // scores[c][t] = scale * q_c . k_t
     for (int64_t t = 0; t < n; ++t) {
-      next.k_row(t);
+      next_k.step();
       __m512i kr[P];
       load_bf16_row<P>(k_cache + base + t * row_stride, kr);
       for (int c = 0; c < C; ++c) {
@@ -79,8 +94,8 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
     }
     // acc_c += p_c,t v_t + p_c,t+1 v_t+1
     for (int64_t t = 0; t < n; t += 2) {
-      next.v_row(t);
-      next.v_row(t + 1);
+      next_v.step();
+      next_v.step();
       __m512i v0[P], v1[P];
       load_bf16_row<P>(v_cache + base + t * row_stride, v0);
       if (t + 1 < n) {
@@ -109,4 +124,13 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
       for (int lane = 0; lane < 16; ++lane) out[c * D + pv_dim(a, lane)] = lanes[lane] * inv;
     }
   }
+}
+
+// attend_heads for c (1 <= c <= C) heads, C fixed at compile time
+template <typename scalar_t, typename cache_t, int D, int C, typename... Args>
+void attend_chunk(int64_t c, const Args&... args) {
+  if constexpr (C > 1) {
+    if (c < C) return attend_chunk<scalar_t, cache_t, D, C - 1>(c, args...);
+  }
+  attend_heads<scalar_t, cache_t, D, C>(args...);
 }

@@ -18,10 +18,10 @@ void decode_scalar(const Decode<scalar_t, cache_t>& p) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      walk_blocks(p, r, 0, row_stride * sizeof(cache_t), [&](int64_t n, int64_t base, const NextRows& next) {
+      walk_blocks(p, r, 0, row_stride * sizeof(cache_t), [&](int64_t n, int64_t base, NextRows& next_k, NextRows& next_v) {
         // scores[hq * block_size + t] = q_hq . k_t
         for (int64_t t = 0; t < n; ++t) {
-          next.k_row(t);
+          next_k.step();
           const cache_t* k_row = p.k_cache + base + t * row_stride;
           for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
             const cache_t* __restrict__ k = k_row + h * D;
@@ -43,7 +43,7 @@ void decode_scalar(const Decode<scalar_t, cache_t>& p) {
         }
         // acc_hq += sum_t p_hq,t v_t
         for (int64_t t = 0; t < n; ++t) {
-          next.v_row(t);
+          next_v.step();
           const cache_t* v_row = p.v_cache + base + t * row_stride;
           for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
             const cache_t* __restrict__ v = v_row + h * D;

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -39,6 +40,16 @@ def run_and_check(
     check(out, expected)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_kernels_build_on_this_machine():
     """CI machines have a compiler: the fallback must not hide a broken build there."""
     assert cpu_ops.available(), cpu_ops._state.get("error")
@@ -65,12 +76,31 @@ def test_other_shapes_match_reference(
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
-@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 6), (128, 3), (256, 3)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("head_dim", "group"), [(64, 3), (64, 6), (64, 12), (128, 3), (128, 9), (256, 3)], ids=lambda v: str(v)
+)
 def test_groups_that_split_into_uneven_passes(cpu_paged_context, cpu_heads_view, check, head_dim, group, dtype):
-    """The vector path takes 256 / head_dim query heads per pass over the context on AVX-512
-    (64 / head_dim, at least one, on AVX2): a group that does not divide into passes ends
-    with a shorter one."""
+    """The vector path's register tiles take a KV head's query heads two at a time (an odd one
+    alone), and a block takes at most eight of them at once: groups of 9 and 12 take a second
+    pass over each block, shorter than the first."""
     run_and_check(cpu_paged_context, cpu_heads_view, check, [1, 33, 300], 2, group, head_dim, 16, dtype)
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize(
+    "seq_lens", [[300], [5, 300, 70], [40] * 3 + [1, 2, 17], [33] * 16], ids=lambda lens: f"{len(lens)}reqs"
+)
+@pytest.mark.parametrize("head_dim", [64, 48], ids=lambda d: f"d{d}")
+def test_small_batches_split_requests_into_head_ranges(
+    cpu_paged_context, cpu_heads_view, check, seq_lens, head_dim, dtype
+):
+    """A task is a range of one request's KV heads, as many ranges as give each thread about
+    four tasks: one request of 8 KV heads splits into eight, three into ranges of two and
+    three heads, 16 requests stay whole. Each range prefetches its own slices of the next
+    block."""
+    for threads in (1, 2):
+        with torch_threads(threads):
+            run_and_check(cpu_paged_context, cpu_heads_view, check, seq_lens, 8, 2, head_dim, 16, dtype)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
