@@ -110,11 +110,13 @@ struct Decode {
 // are first touched in the order they sit in memory. The whole next block prefetched at once
 // (64-128 lines of one KV head) filled the core's miss buffers, and the block's own loads
 // waited behind them: spread a row at a time, the kernel took 0.81-0.91x the time over a
-// float32 cache in memory and 0.70-0.74x over a bfloat16 one (8-64 requests, Zen 3, 2
-// threads). One per 128 B (line pairs) left the second line of a bfloat16 row of 64 to a
-// demand miss (1.15x the time, Zen 3). Into L1 (BATON_PREFETCH_LOCALITY=3) made no difference
-// once spread (0.96-1.05x, Zen 3); with the whole block at once, float32 took 1.15-1.26x the
-// time that way on Zen 4 (bench/decode_attention.py).
+// float32 cache in memory (8-64 requests, Zen 3, 2 threads) and 0.70-0.74x over a bfloat16
+// one (32-64 requests; 0.91-0.95x at 8, whose bfloat16 caches fit in L3). One prefetch per
+// 128 B (line pairs) left the second line of a bfloat16 row of 64 to a demand miss (1.15x the
+// time, Zen 3). Into L1 (BATON_PREFETCH_LOCALITY=3) makes no difference once spread
+// (0.96-1.05x, Zen 3); with the whole block at once, float32 took 1.15-1.26x the time that way
+// on Zen 4 (bench/decode_attention.py). The AVX512-BF16 path steps its prefetches the same
+// way, not measured on a CPU that runs it.
 struct NextRows {
   const char* row;  // the next slice's row
   int64_t rows, row_stride, parts, slice, part = 0;

@@ -18,7 +18,8 @@ void decode_scalar(const Decode<scalar_t, cache_t>& p) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      walk_blocks(p, r, 0, row_stride * sizeof(cache_t), [&](int64_t n, int64_t base, NextRows& next_k, NextRows& next_v) {
+      walk_blocks(p, r, 0, row_stride * sizeof(cache_t), [&](int64_t n, int64_t base, NextRows& next_k,
+                                                             NextRows& next_v) {
         // scores[hq * block_size + t] = q_hq . k_t
         for (int64_t t = 0; t < n; ++t) {
           next_k.step();

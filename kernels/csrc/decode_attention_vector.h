@@ -9,10 +9,13 @@
 // tiles; the weighted values accumulate in L1 between blocks. The next block's rows of the
 // range are prefetched a slice per token of these loops, in the order they sit in memory
 // (NextRows): a task of all four KV heads of the bench model reads each block as one 16 KB
-// stretch, which a one-task-per-KV-head walk read as four strided quarters. With the cache in
-// memory (32-64 requests, Zen 3, 2 threads) this took 0.83-0.91x the time of one task per
-// (request, KV head) with the accumulators held in registers; with the cache in L2 it took
-// about 1.15x, where prefetches cost instructions and bring nothing.
+// stretch, which a one-task-per-KV-head walk read as four strided quarters (a /tmp loop that
+// only reads: 15 GB/s that way, 22-28 in memory order, Zen 3). Against one task per (request,
+// KV head) with the accumulators held in registers, both prefetching a row at a time, this
+// took 0.78-0.90x the time over a float32 cache in memory and 0.85-0.89x over a bfloat16 one
+// (8-64 requests and 32-64; 2 threads). Where the cache sits in L3 or L2 it takes 1.01-1.16x:
+// the tiles store and reload what the old loop kept in registers, and the prefetches bring
+// nothing.
 
 #pragma once
 
