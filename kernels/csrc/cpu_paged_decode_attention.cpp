@@ -229,6 +229,19 @@ inline vfloat sum_lanes(const vfloat* v) {
 }
 #endif
 
+// A block's scores from its dot products' partial sums: scores[c][t] = scale * the lane sum of
+// dots[c][t], for C heads and n tokens (rows padded to `padded`, the padding zeroed first).
+__attribute__((always_inline)) inline void block_scores(vfloat* dots, float* scores, int64_t C, int64_t n,
+                                                        int64_t padded, float scale) {
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
+    for (int64_t t = 0; t < n; t += kLanes) {
+      const vfloat sums = sum_lanes(dots + c * padded + t) * scale;
+      std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
+    }
+  }
+}
+
 // Query heads of one KV head a block takes together (larger GQA groups take several passes).
 constexpr int64_t kMaxHeads = 8;
 

@@ -1,5 +1,5 @@
 // The bfloat16 path of cpu_paged_decode_attention.cpp for CPUs with AVX512-BF16. That file
-// includes this one inside its anonymous namespace, after vfloat, sum_lanes and
+// includes this one inside its anonymous namespace, after vfloat, block_scores and
 // softmax_block (and <immintrin.h> before the namespace); it is not a header to include
 // anywhere else.
 //
@@ -30,21 +30,6 @@ constexpr int pv_dim(int a, int lane) { return a / 2 * 32 + lane / 4 * 8 + a % 2
 template <int P>
 inline void load_bf16_row(const uint16_t* p, __m512i (&row)[P]) {
   for (int j = 0; j < P; ++j) row[j] = _mm512_loadu_si512(p + j * 32);
-}
-
-// A block's scores from its dot products' partial sums: scores[c][t] = scale * the lane sum of
-// dots[c][t], for C heads and n tokens (rows padded to `padded`, the padding zeroed first).
-template <int C>
-__attribute__((always_inline)) inline void block_scores(vfloat* dots, float* scores, int64_t n, int64_t padded,
-                                                        float scale) {
-  const vfloat vscale = broadcast(scale);
-  for (int c = 0; c < C; ++c) {
-    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
-    for (int64_t t = 0; t < n; t += kLanes) {
-      const vfloat sums = sum_lanes(dots + c * padded + t) * vscale;
-      std::memcpy(scores + c * padded + t, &sums, sizeof(sums));
-    }
-  }
 }
 
 // C query heads of one request (q: their raw bfloat16 queries, sharing KV head h) against the
@@ -81,7 +66,7 @@ void attend_heads(const at::BFloat16* q_heads, const Decode<at::BFloat16>& p, in
         dots[c * padded + t] = dot;
       }
     }
-    block_scores<C>(dots, scores, n, padded, p.scale);
+    block_scores(dots, scores, C, n, padded, p.scale);
     // online softmax, then the weights as bfloat16 (zeros past the context's end)
     for (int c = 0; c < C; ++c) {
       float* s = scores + c * padded;

@@ -1,7 +1,6 @@
 // The vector path of cpu_paged_decode_attention.cpp (head sizes 64, 128 and 256). That file
-// includes this one inside its anonymous namespace, after Decode, NextRows, vfloat,
-// load_row, sum_lanes, softmax_block and kMaxHeads; it is not a header to include anywhere
-// else.
+// includes this one inside its anonymous namespace, after Decode, NextRows, vfloat, load_row,
+// block_scores, softmax_block and kMaxHeads; it is not a header to include anywhere else.
 //
 // A task is a range of one request's KV heads (all of them unless the batch is small), and
 // it walks the context a block at a time. In each block, each KV head's query heads compute
@@ -101,11 +100,8 @@ __attribute__((always_inline)) inline void attend_block(const float* qf, int64_t
     for (int j = 0; j < V; j += J1)
       qk_tile<1, J1>(qf + c * D + j * kLanes, D, k + j * kLanes, row_stride, n, dots + c * padded, padded, j == 0,
                      c == 0 && j == 0 ? next_k : nullptr);
-  for (c = 0; c < C; ++c) {
-    for (int64_t t = n; t < padded; ++t) dots[c * padded + t] = vfloat{};
-    for (int64_t t = 0; t < n; t += kLanes) store_vec(scores + c * padded + t, sum_lanes(dots + c * padded + t));
-    corr[c] = softmax_block(scores + c * padded, n, run_max[c], run_sum[c]);  // the scale is in qf
-  }
+  block_scores(dots, scores, C, n, padded, 1.f);  // the scale is in qf
+  for (c = 0; c < C; ++c) corr[c] = softmax_block(scores + c * padded, n, run_max[c], run_sum[c]);
   for (c = 0; c + 2 <= C; c += 2)
     for (int j = 0; j < V; j += J2)
       pv_tile<2, J2>(acc + c * D + j * kLanes, D, corr + c, v + j * kLanes, row_stride, n, scores + c * padded, padded,
