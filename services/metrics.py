@@ -39,7 +39,8 @@ docs/grafana/baton-dashboard.json. Names (before the prefix) and meanings:
            cache.warm_window_s), baton_prefix_cache_queries_total / _hits_total{role},
            baton_kv_transfer_bytes_total, baton_kv_transfer_seconds_total, baton_kv_transfer_failures_total,
            baton_kv_leases_expired_total, baton_kv_version_mismatches_total{role} (handed-over K/V of
-           other weights, recomputed), baton_step_seconds{role},
+           other weights, recomputed), baton_kv_dtype_mismatches_total{role} (handed over from a prefill
+           side whose cache.kv_cache_dtype differs, recomputed), baton_step_seconds{role},
            baton_model_flops_utilization{role}, baton_memory_bandwidth_utilization{role},
            baton_spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total{role}
            (speculative decoding: verification passes, drafts verified, drafts accepted; acceptance rate =
@@ -112,6 +113,9 @@ def _metrics() -> dict[str, Any]:
         "leases_expired": Counter("baton_kv_leases_expired_total", "Prefill leases nobody claimed", role),
         "kv_version_mismatches": Counter(
             "baton_kv_version_mismatches_total", "Handed-over K/V of other weights, recomputed", role
+        ),
+        "kv_dtype_mismatches": Counter(
+            "baton_kv_dtype_mismatches_total", "Handed-over K/V from a cache of another dtype, recomputed", role
         ),
         "step_seconds": Gauge("baton_step_seconds", "Mean engine step time", role),
         "mfu": Gauge("baton_model_flops_utilization", "Model FLOPs utilisation over recent steps", role),
@@ -214,6 +218,7 @@ class _Totals:
     kv_recv_ok: int = 0
     kv_leases_expired: int = 0
     kv_version_mismatches: int = 0
+    kv_dtype_mismatches: int = 0
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -228,6 +233,7 @@ _COUNTERS = {
     "kv_recv_ok": "kv_transfers",
     "kv_leases_expired": "leases_expired",
     "kv_version_mismatches": "kv_version_mismatches",
+    "kv_dtype_mismatches": "kv_dtype_mismatches",
     "spec_num_drafts": "spec_drafts",
     "spec_num_draft_tokens": "spec_draft_tokens",
     "spec_num_accepted_tokens": "spec_accepted",

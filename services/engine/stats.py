@@ -23,6 +23,7 @@ class EngineStats:
     kv_recv_failed: int = 0  # each one recomputed locally
     kv_leases_expired: int = 0
     kv_version_mismatches: int = 0  # handed over from other weights: recomputed, never read
+    kv_dtype_mismatches: int = 0  # handed over from a cache of another dtype: recomputed, never read
     kv_bytes_received: int = 0
     kv_recv_seconds: float = 0.0
     step_seconds: float = 0.0  # mean over the last steps

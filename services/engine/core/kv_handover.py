@@ -59,6 +59,7 @@ class KVHandover:
         self.num_recv_failed = 0
         self.num_leases_expired = 0
         self.num_version_mismatches = 0
+        self.num_dtype_mismatches = 0
         self.bytes_received = 0
         self.recv_seconds = 0.0
         # The engine's weight version (engine/weight_updates.py keeps it current): K/V that
@@ -76,6 +77,7 @@ class KVHandover:
             "kv_recv_failed": self.num_recv_failed,
             "kv_leases_expired": self.num_leases_expired,
             "kv_version_mismatches": self.num_version_mismatches,
+            "kv_dtype_mismatches": self.num_dtype_mismatches,
             "kv_bytes_received": self.bytes_received,
             "kv_recv_seconds": self.recv_seconds,
         }
@@ -122,6 +124,7 @@ class KVHandover:
                 params.kv_cache_dtype,
                 self.kv_cache_dtype,
             )
+            self.num_dtype_mismatches += 1
             request.kv_path = KVPath.RECOMPUTED
             return False
         version = params.weight_version

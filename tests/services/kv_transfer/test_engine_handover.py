@@ -301,6 +301,7 @@ def test_a_bfloat16_cache_hands_over_and_another_dtype_is_recomputed_not_read(en
     first = prefill(p32, "float32")
     out = decode(d, p32, "float32", first)
     assert out.kv_path == "recomputed" and d.stats().kv_recv_ok == 1
+    assert d.stats().kv_dtype_mismatches == 1 and d.stats().kv_version_mismatches == 0
     assert out.token_ids == continuation(llama_dir, first.token_ids, kv_cache_dtype="bfloat16")
     p32.scheduler.handover.expire(float("inf"))  # the lease the decode side never claimed
     settle(d, p, p32)
